@@ -1,0 +1,1 @@
+"""Serving: engine, sampling, HTTP API."""

@@ -1,0 +1,429 @@
+"""The serving engine: continuous batching with EAGLE-3 chain speculation over one static KV cache.
+
+One `step()` admits waiting requests (prefill, one at a time), then advances every running sequence
+by one target forward pass: the draft proposes gamma tokens per sequence, the target verifies all
+of them for the whole batch at once, and each sequence keeps its accepted prefix plus one
+correction/bonus token. Rejected tokens are rolled back by moving the sequence's length back: cache
+entries past the length are never attended to and are overwritten next step.
+
+Running sequences occupy the slots [0, B) of the cache in order, so every forward reads one
+contiguous slice; a finishing sequence's slot is refilled by moving the last one into it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.llama import Batch
+from tide.models.packing import pack_linears
+from tide.models.loader import Target
+from tide.serving.sampling import BatchSampling, SamplingParams, Verdict, probs_from_logits, sample, verify
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 16
+    max_model_len: int = 2048  # prompt + completion
+    gamma: int = 4  # draft tokens per step; 0 turns speculation off
+    max_gamma: int = 8
+    seed: int = 0
+
+
+@dataclass
+class TapEvent:
+    """Hidden states of positions the target has committed: prefill positions or accepted tokens."""
+
+    request_id: str
+    workload: str
+    first_position: int
+    tokens: torch.Tensor  # (k,) token ids at these positions
+    aux: torch.Tensor  # (k, 3d) residual stream before the aux layers
+    hidden: torch.Tensor  # (k, d) final normed hidden state (predicts the next token)
+    prefill: bool
+    draft_version: str
+
+
+TapCallback = Callable[[TapEvent], None]
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    workload: str = "default"
+    capture: bool = True
+    output: list[int] = field(default_factory=list)
+    slot: int = -1
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    steps: int = 0  # target forward passes spent on this sequence after prefill
+    stop_text: str = ""  # the decoded output, kept only for requests with stop strings
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_tokens: list[int]
+
+
+class DraftStats:
+    """Acceptance counts by draft depth: alpha_i = accepted_i / attempted_i."""
+
+    def __init__(self, max_gamma: int):
+        self.attempted = torch.zeros(max_gamma, dtype=torch.long)
+        self.accepted = torch.zeros(max_gamma, dtype=torch.long)
+        self.steps = 0
+        self.emitted = 0
+
+    def add(self, accepted: torch.Tensor, gamma: int) -> None:
+        depth = torch.arange(gamma)
+        self.attempted[:gamma] += (accepted.unsqueeze(1) >= depth).sum(0)
+        self.accepted[:gamma] += (accepted.unsqueeze(1) > depth).sum(0)
+        self.steps += int(accepted.numel())
+        self.emitted += int(accepted.sum()) + int(accepted.numel())
+
+    def rates(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepted.tolist(), self.attempted.tolist(), strict=True)]
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens emitted per sequence per target step (1 + accepted drafts)."""
+        return self.emitted / self.steps if self.steps else 0.0
+
+
+class Engine:
+    def __init__(self, target: Target, draft: Eagle3Draft | None, cfg: EngineConfig, tap: TapCallback | None = None):
+        self.target = target
+        self.model = target.model
+        self.cfg = cfg
+        self.tap = tap
+        self.dtype = self.model.dtype
+        mc = self.model.cfg
+        # room past the longest sequence for gamma+1 verified tokens and one scratch position
+        self.capacity = cfg.max_model_len + cfg.max_gamma + 2
+        self.scratch = self.capacity - 1
+        b = cfg.max_batch
+        self.cache = self.model.new_cache(b, self.capacity)
+        self.tokens = torch.zeros(b, self.capacity + 1, dtype=torch.long)
+        self.aux = torch.zeros(b, self.capacity, 3 * mc.hidden_size, dtype=self.dtype)
+        self.lengths = torch.zeros(b, dtype=torch.long)  # tokens in the target's cache
+        self.draft_lengths = torch.zeros(b, dtype=torch.long)  # positions in the draft's cache
+        self.eos = set(mc.eos_token_ids)
+        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.stats = DraftStats(cfg.max_gamma)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._next_draft: Eagle3Draft | None = None
+        self.draft: Eagle3Draft | None = None
+        if draft is not None:
+            self._install_draft(draft)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        workload: str = "default",
+        capture: bool = True,
+    ) -> Sequence:
+        params.validate()
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) + params.max_tokens > self.cfg.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                f"{self.cfg.max_model_len} tokens"
+            )
+        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), params, workload, capture)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        with self._lock:
+            self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish a request now (e.g. its client went away); its slot frees at the next step."""
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while self.has_work:
+            self.step()
+        return seqs
+
+    # -- drafts -----------------------------------------------------------------------------------
+    def load_draft(self, path: str | Path) -> Eagle3Draft:
+        """Load and check a draft in the caller's thread; the engine switches to it between steps."""
+        draft = Eagle3Draft.load(path, self.model.embed_tokens, self.model.cfg, self.target.fingerprint, self.dtype)
+        with self._lock:
+            self._next_draft = draft
+        return draft
+
+    def set_draft(self, draft: Eagle3Draft | None) -> None:
+        with self._lock:
+            self._next_draft = draft
+            if draft is None:
+                self.draft = None
+
+    @property
+    def draft_version(self) -> str:
+        return self.draft.cfg.version if self.draft is not None else "none"
+
+    def _install_draft(self, draft: Eagle3Draft) -> None:
+        pack_linears(draft)
+        self.draft = draft
+        self.dcache = draft.new_cache(self.cfg.max_batch, self.capacity, self.dtype)
+        self._draft_ids = draft.target_ids()
+        # the new draft's cache is empty: rebuild it from the stored aux states of running sequences
+        for seq in self.running:
+            self.draft_lengths[seq.slot] = 0
+            self._sync_draft(seq.slot)
+
+    def _sync_draft(self, slot: int) -> None:
+        """Bring one sequence's draft cache up to its last committed position but one."""
+        assert self.draft is not None
+        start, end = int(self.draft_lengths[slot]), int(self.lengths[slot]) - 1
+        if end <= start:
+            return
+        pos = torch.arange(start, end).unsqueeze(0)
+        batch = Batch.make(slot, pos, None, self.capacity)
+        hidden = self.draft.fc(self.aux[slot, start:end].unsqueeze(0))
+        self.draft(hidden, self.tokens[slot, start + 1 : end + 1].unsqueeze(0), batch, self.dcache)
+        self.draft_lengths[slot] = end
+
+    # -- the step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        with self._lock:
+            if self._next_draft is not None:
+                self._install_draft(self._next_draft)
+                self._next_draft = None
+        outputs: list[StepOutput] = []
+        self._drop_finished()
+        while self.waiting and len(self.running) < self.cfg.max_batch:
+            with self._lock:
+                seq = self.waiting.popleft()
+            if seq.finished:
+                continue
+            outputs.append(self._prefill(seq))
+        self._drop_finished()
+        if self.running:
+            outputs.extend(self._decode())
+        self._drop_finished()
+        return outputs
+
+    def _uniforms(self, seqs: list[Sequence], n: int) -> torch.Tensor:
+        return torch.stack([torch.rand(n, generator=s.generator or self.generator) for s in seqs])
+
+    def _prefill(self, seq: Sequence) -> StepOutput:
+        slot = len(self.running)
+        seq.slot = slot
+        self.running.append(seq)
+        n = len(seq.prompt)
+        prompt = torch.tensor(seq.prompt)
+        pos = torch.arange(n).unsqueeze(0)
+        out = self.model(prompt.unsqueeze(0), Batch.make(slot, pos, None, self.capacity), self.cache, True)
+        assert out.aux is not None
+        self.tokens[slot, :n] = prompt
+        self.aux[slot, :n] = out.aux[0]
+        self.lengths[slot] = n
+        self.draft_lengths[slot] = 0
+        s = BatchSampling.of([seq.params])
+        logits = self.model.logits(out.hidden[:, -1:])
+        if s.all_greedy:
+            first = int(logits[0, 0].argmax())
+        else:
+            first = int(sample(probs_from_logits(logits, s), self._uniforms([seq], 1))[0, 0])
+        self.tokens[slot, n] = first
+        if self.draft is not None:
+            self._sync_draft(slot)
+        if self.tap is not None and seq.capture:
+            self.tap(TapEvent(seq.request_id, seq.workload, 0, prompt, out.aux[0], out.hidden[0], True, self.draft_version))
+        return StepOutput(seq, self._append(seq, [first]))
+
+    def _propose(self, seqs: list[Sequence], s: BatchSampling, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Chain-draft gamma tokens per sequence: (B, gamma) target ids, and q (B, gamma, V) when sampling."""
+        draft = self.draft
+        assert draft is not None
+        gamma = self.cfg.gamma
+        bsz = len(seqs)
+        rows = torch.arange(bsz)
+        lengths, dlen = self.lengths[:bsz], self.draft_lengths[:bsz]
+        # catch up: step-0 inputs for the positions the target committed since the last step
+        span = int((lengths - dlen).max())
+        pos = dlen.unsqueeze(1) + torch.arange(span)
+        valid = pos < lengths.unsqueeze(1)
+        # padding rows sit at the sequence's last position (keeps the attended span short) and write to scratch
+        pos = torch.where(valid, pos, (lengths - 1).unsqueeze(1))
+        hidden = draft.fc(self.aux[rows.unsqueeze(1), pos])
+        out = draft(hidden, self.tokens[rows.unsqueeze(1), pos + 1], Batch.make(0, pos, valid, self.capacity), self.dcache)
+        last = out[rows, lengths - 1 - dlen].unsqueeze(1)
+        self.draft_lengths[:bsz] = lengths
+        tokens = torch.empty(bsz, gamma, dtype=torch.long)
+        qs: list[torch.Tensor] = []
+        for i in range(gamma):
+            logits = draft.logits(last[:, 0]).unsqueeze(1)  # (B, 1, Vd)
+            if u is None:
+                d = logits[:, 0].argmax(-1)
+            else:
+                q = probs_from_logits(logits, BatchSampling(s.temperature, s.top_p, s.top_k, False))[:, 0]
+                d = sample(q, u[:, i])
+                full = torch.zeros(bsz, self.model.cfg.vocab_size)
+                qs.append(full.index_copy_(1, self._draft_ids, q))
+            tokens[:, i] = self._draft_ids[d]
+            if i + 1 < gamma:
+                p = (lengths + i).unsqueeze(1)
+                last = draft(last, tokens[:, i : i + 1], Batch.make(0, p, None, self.capacity), self.dcache)
+        return tokens, (torch.stack(qs, 1) if qs else None)
+
+    def _decode(self) -> list[StepOutput]:
+        seqs = self.running
+        bsz = len(seqs)
+        rows = torch.arange(bsz)
+        gamma = self.cfg.gamma if self.draft is not None else 0
+        s = BatchSampling.of([q.params for q in seqs])
+        u = None if s.all_greedy else self._uniforms(seqs, 2 * gamma + 1)
+        lengths = self.lengths[:bsz].clone()
+        if gamma > 0:
+            drafted, q = self._propose(seqs, s, u)
+        else:
+            drafted, q = torch.zeros(bsz, 0, dtype=torch.long), None
+        inp = torch.cat([self.tokens[rows, lengths].unsqueeze(1), drafted], 1)
+        pos = lengths.unsqueeze(1) + torch.arange(gamma + 1)
+        out = self.model(inp, Batch.make(0, pos, None, self.capacity), self.cache, True)
+        assert out.aux is not None
+        logits = self.model.logits(out.hidden)
+        verdict = self._verify(logits, drafted, q, s, u, gamma)
+        acc = verdict.accepted
+        # commit: aux states of the verified positions and the tokens that follow them
+        self.aux[rows.unsqueeze(1), pos] = out.aux
+        self.tokens[rows.unsqueeze(1), pos + 1] = verdict.tokens
+        self.lengths[:bsz] = lengths + acc + 1
+        if gamma > 0:
+            self.stats.add(acc, gamma)
+        if self.tap is not None:
+            self._emit_tap(seqs, inp, out.aux, out.hidden, lengths, acc)
+        new_tokens = verdict.tokens.tolist()
+        results = []
+        for i, (seq, n) in enumerate(zip(seqs, acc.tolist(), strict=True)):
+            seq.steps += 1
+            results.append(StepOutput(seq, self._append(seq, new_tokens[i][: n + 1])))
+        return results
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        drafted: torch.Tensor,
+        q: torch.Tensor | None,
+        s: BatchSampling,
+        u: torch.Tensor | None,
+        gamma: int,
+    ) -> Verdict:
+        if u is None:  # all greedy: accept while the draft equals the target's argmax
+            best = logits.argmax(-1)
+            accepted = (drafted == best[:, :gamma]).long().cumprod(-1).sum(-1)
+            tokens = torch.cat([drafted, best[:, -1:]], 1)
+            tokens[torch.arange(len(tokens)), accepted] = best.gather(1, accepted.unsqueeze(1)).squeeze(1)
+            return Verdict(accepted, tokens)
+        p = probs_from_logits(logits, s)
+        if q is None:
+            q = torch.zeros_like(p[:, :gamma])
+        return verify(p, q, drafted, u[:, gamma : 2 * gamma], u[:, 2 * gamma])
+
+    def _emit_tap(
+        self,
+        seqs: list[Sequence],
+        inp: torch.Tensor,
+        aux: torch.Tensor,
+        hidden: torch.Tensor,
+        lengths: torch.Tensor,
+        acc: torch.Tensor,
+    ) -> None:
+        assert self.tap is not None
+        version = self.draft_version
+        for i, (seq, n) in enumerate(zip(seqs, acc.tolist(), strict=True)):
+            if seq.capture:
+                k = n + 1
+                self.tap(TapEvent(seq.request_id, seq.workload, int(lengths[i]), inp[i, :k], aux[i, :k], hidden[i, :k], False, version))
+
+    # -- finishing --------------------------------------------------------------------------------
+    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append a burst of tokens, cutting it exactly where a stop condition fires."""
+        p = seq.params
+        kept: list[int] = []
+        for t in tokens:
+            if t in self.eos and not p.ignore_eos:
+                seq.finish_reason = "stop"
+                break
+            kept.append(t)
+            seq.output.append(t)
+            if p.stop and self._hit_stop(seq):
+                seq.finish_reason = "stop"
+                break
+            if len(seq.output) >= p.max_tokens:
+                seq.finish_reason = "length"
+                break
+        return kept
+
+    def _hit_stop(self, seq: Sequence) -> bool:
+        text = self.target.tokenizer.decode(seq.output)
+        # a stop string can only end inside the text the last token added
+        window = len(text) - len(seq.stop_text) + max(len(x) for x in seq.params.stop)
+        seq.stop_text = text
+        tail = text[-window:]
+        for stop in seq.params.stop:
+            idx = tail.find(stop)
+            if idx >= 0:
+                seq.stop_text = text[: len(text) - len(tail) + idx]
+                return True
+        return False
+
+    def _drop_finished(self) -> None:
+        done = sorted((s.slot for s in self.running if s.finished), reverse=True)
+        for slot in done:
+            last = len(self.running) - 1
+            if slot != last:
+                self._move(last, slot)
+                self.running[slot] = self.running[last]
+                self.running[slot].slot = slot
+            self.running.pop()
+
+    def _move(self, src: int, dst: int) -> None:
+        n = int(self.lengths[src]) + 1
+        self.cache.move_slot(src, dst, n)
+        if self.draft is not None:
+            m = int(self.draft_lengths[src])
+            self.dcache.k[dst, :, :m] = self.dcache.k[src, :, :m]
+            self.dcache.v[dst, :, :m] = self.dcache.v[src, :, :m]
+        self.tokens[dst, : n + 1] = self.tokens[src, : n + 1]
+        self.aux[dst, :n] = self.aux[src, :n]
+        self.lengths[dst] = self.lengths[src]
+        self.draft_lengths[dst] = self.draft_lengths[src]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t

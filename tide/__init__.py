@@ -1,0 +1,1 @@
+"""TIDE: LLM serving with speculative decoding whose draft keeps learning from live traffic."""

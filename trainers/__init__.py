@@ -1,0 +1,1 @@
+"""Trainers: the EAGLE-3 training step, bootstrap and online trainers."""
