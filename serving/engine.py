@@ -130,6 +130,7 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._next_draft: Eagle3Draft | None = None
+        self.tap_seconds = 0.0  # time spent handing hidden states out (benchmarks report it)
         self.draft: Eagle3Draft | None = None
         if draft is not None:
             self._install_draft(draft)
@@ -260,7 +261,9 @@ class Engine:
         if self.draft is not None:
             self._sync_draft(slot)
         if self.tap is not None and seq.capture:
+            t = time.perf_counter()
             self.tap(TapEvent(seq.request_id, seq.workload, 0, prompt, out.aux[0], out.hidden[0], True, self.draft_version))
+            self.tap_seconds += time.perf_counter() - t
         return StepOutput(seq, self._append(seq, [first]))
 
     def _propose(self, seqs: list[Sequence], s: BatchSampling, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -362,11 +365,13 @@ class Engine:
         acc: torch.Tensor,
     ) -> None:
         assert self.tap is not None
+        t = time.perf_counter()
         version = self.draft_version
-        for i, (seq, n) in enumerate(zip(seqs, acc.tolist(), strict=True)):
+        for i, (seq, n, start) in enumerate(zip(seqs, acc.tolist(), lengths.tolist(), strict=True)):
             if seq.capture:
                 k = n + 1
-                self.tap(TapEvent(seq.request_id, seq.workload, int(lengths[i]), inp[i, :k], aux[i, :k], hidden[i, :k], False, version))
+                self.tap(TapEvent(seq.request_id, seq.workload, start, inp[i, :k], aux[i, :k], hidden[i, :k], False, version))
+        self.tap_seconds += time.perf_counter() - t
 
     # -- finishing --------------------------------------------------------------------------------
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
@@ -388,7 +393,10 @@ class Engine:
         return kept
 
     def _hit_stop(self, seq: Sequence) -> bool:
-        text = self.target.tokenizer.decode(seq.output)
+        tokenizer = self.target.tokenizer
+        if tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        text = tokenizer.decode(seq.output)
         # a stop string can only end inside the text the last token added
         window = len(text) - len(seq.stop_text) + max(len(x) for x in seq.params.stop)
         seq.stop_text = text
@@ -421,9 +429,3 @@ class Engine:
         self.aux[dst, :n] = self.aux[src, :n]
         self.lengths[dst] = self.lengths[src]
         self.draft_lengths[dst] = self.draft_lengths[src]
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t

@@ -121,6 +121,6 @@ def verify(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u_accept: torc
     q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], 1)  # q at the bonus position is 0: residual = p
     final_dist = residual(p[rows, accepted], q_pad[rows, accepted])
     final = sample(final_dist, u_final)
-    tokens = torch.cat([draft, torch.zeros_like(draft[:, :1])], 1)
+    tokens = torch.cat([draft, torch.zeros(draft.shape[0], 1, dtype=draft.dtype)], 1)
     tokens[rows, accepted] = final
     return Verdict(accepted, tokens)

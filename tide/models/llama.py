@@ -40,7 +40,8 @@ class LlamaConfig:
     def aux_layer_ids(self) -> tuple[int, int, int]:
         """Residual stream taken *before* these decoder layers (vLLM's numbering; SGLang's is one lower)."""
         n = self.num_layers
-        return (2, n // 2, n - 3)
+        low, mid, high = sorted(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))  # clamped for tiny test models
+        return (low, mid, high)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -258,12 +259,13 @@ class LlamaModel(nn.Module):
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache, capture_aux: bool) -> ForwardOutput:
         x = self.embed_tokens(tokens)
         rope = self.rope(batch.positions, x.dtype)
-        aux: list[torch.Tensor] = []
+        taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if capture_aux and i in self.aux_ids:
-                aux.append(x)
+                taken[i] = x
             x = layer(x, rope, batch, cache.k[i], cache.v[i])
-        return ForwardOutput(self.norm(x), torch.cat(aux, -1) if capture_aux else None)
+        aux = torch.cat([taken[i] for i in self.cfg.aux_layer_ids], -1) if capture_aux else None
+        return ForwardOutput(self.norm(x), aux)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

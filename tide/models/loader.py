@@ -42,7 +42,7 @@ def default_model_path() -> Path:
 @dataclass
 class Target:
     model: LlamaModel
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None only for token-id-level use (tests of tiny random models)
     fingerprint: str
     path: Path
 
@@ -151,6 +151,10 @@ def read_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     eos = c.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     heads = int(c["num_attention_heads"])
+    # transformers 5 writes `rope_parameters` (theta inside); older versions `rope_theta` + `rope_scaling`
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    theta = float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
     cfg = LlamaConfig(
         vocab_size=int(c["vocab_size"]),
         hidden_size=int(c["hidden_size"]),
@@ -160,8 +164,8 @@ def read_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
         num_kv_heads=int(c.get("num_key_value_heads", heads)),
         head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
         rms_eps=float(c.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(c.get("rope_theta", 10000.0)),
-        rope_scaling=c.get("rope_scaling"),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position=int(c.get("max_position_embeddings", 8192)),
         tie_embeddings=bool(c.get("tie_word_embeddings", "lm_head.weight" not in tensors)),
         attention_bias=bool(c.get("attention_bias", model_type == "qwen2")),

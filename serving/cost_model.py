@@ -1,0 +1,88 @@
+"""When speculation pays: the TIDE paper's cost model, generalised to per-depth acceptance.
+
+speedup(gamma) = tau(gamma) / (c * gamma + beta), with tau(gamma) = 1 + sum_k prod_{i<=k} alpha_i
+the tokens one target step yields, c = draft step time / target step time and
+beta = T(b * (gamma + 1)) / T(b): the cost of verifying gamma+1 tokens per sequence relative to
+decoding one. T and the draft time are measured on the machine that serves, never assumed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.llama import Batch, LlamaModel
+
+
+def expected_tokens(alphas: list[float], gamma: int) -> float:
+    tau, alive = 1.0, 1.0
+    for a in alphas[:gamma]:
+        alive *= a
+        tau += alive
+    return tau
+
+
+@dataclass
+class StepProfile:
+    """Measured step times at one batch size: target[n] for n tokens per sequence, one draft step."""
+
+    batch_size: int
+    target: dict[int, float]
+    draft_step: float
+
+    def speedup(self, alphas: list[float], gamma: int) -> float:
+        if gamma == 0:
+            return 1.0
+        t1 = self.target[1]
+        c = self.draft_step / t1
+        beta = self.target[gamma + 1] / t1
+        return expected_tokens(alphas, gamma) / (c * gamma + beta)
+
+    def best_gamma(self, alphas: list[float], max_gamma: int) -> int:
+        return max(range(max_gamma + 1), key=lambda g: self.speedup(alphas, g) if g <= len(alphas) else 0.0)
+
+
+def _median_time(fn: object, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+@torch.inference_mode()
+def measure_profile(
+    model: LlamaModel, draft: Eagle3Draft | None, batch_size: int, context: int, max_tokens: int, repeats: int = 9
+) -> StepProfile:
+    """Time target forwards of 1..max_tokens tokens per sequence and one draft step, at `context` positions."""
+    cap = context + max_tokens + 2
+    cache = model.new_cache(batch_size, cap)
+    target: dict[int, float] = {}
+    for n in range(1, max_tokens + 1):
+        tokens = torch.randint(0, model.cfg.vocab_size, (batch_size, n))
+        pos = context + torch.arange(n).repeat(batch_size, 1)
+        batch = Batch.make(0, pos, None, cap)
+
+        def run(tokens: torch.Tensor = tokens, batch: Batch = batch) -> None:
+            model.logits(model(tokens, batch, cache, True).hidden).argmax(-1)
+
+        run()
+        target[n] = _median_time(run, repeats)
+    draft_step = 0.0
+    if draft is not None:
+        dcache = draft.new_cache(batch_size, cap, model.dtype)
+        hidden = torch.randn(batch_size, 1, model.cfg.hidden_size, dtype=model.dtype)
+        tokens = torch.randint(0, model.cfg.vocab_size, (batch_size, 1))
+        batch = Batch.make(0, torch.full((batch_size, 1), context), None, cap)
+
+        def step() -> None:
+            draft.logits(draft(hidden, tokens, batch, dcache)).argmax(-1)
+
+        step()
+        draft_step = _median_time(step, repeats)
+    return StepProfile(batch_size, target, draft_step)

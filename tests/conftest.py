@@ -1,0 +1,109 @@
+"""Shared fixtures: the default model (fp32 and bf16), a quickly trained draft, tiny random models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tide.models.eagle3 import DraftConfig, Eagle3Draft
+from tide.models.llama import LlamaConfig, LlamaModel
+from tide.models.loader import Target, load_target
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ROOT / "workloads"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tide_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # converted tokenizers may be shared with the user's cache; drafts trained by tests are not
+    os.environ.setdefault("TIDE_CACHE", str(tmp_path_factory.mktemp("tide-cache")))
+
+
+@pytest.fixture(scope="session")
+def target_fp32() -> Target:
+    return load_target(dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def target_bf16() -> Target:
+    return load_target(dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def trained_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft trained by the real `tide draft train` command on a few code prompts (about a minute)."""
+    from typer.testing import CliRunner
+
+    from tide.cli import app
+
+    out = tmp_path_factory.mktemp("draft") / "code"
+    res = CliRunner().invoke(
+        app,
+        ["draft", "train", "--prompts", str(WORKLOADS / "code.jsonl"), "--part", "train", "--limit", "48",
+         "--out", str(out), "--budget-minutes", "1.5", "--max-new-tokens", "96", "--draft-vocab", "4096"],
+    )
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert (out / "model.safetensors").exists()
+    return out
+
+
+def tiny_config(vocab: int = 256, layers: int = 2, **kw: object) -> LlamaConfig:
+    base: dict[str, object] = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4, num_kv_heads=2,
+        head_dim=16, rope_theta=10000.0, max_position=256, tie_embeddings=False, eos_token_ids=(),
+    )
+    base.update(kw)
+    return LlamaConfig(**base)  # type: ignore[arg-type]
+
+
+def tiny_target(seed: int = 0, scale: float = 1.0, **kw: object) -> Target:
+    """A random Llama small enough to enumerate its distributions."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(**kw)
+    model = LlamaModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08 * scale)
+        model.embed_tokens.weight.normal_(0, 1.0)
+        model.lm_head.weight.normal_(0, 0.3 * scale)
+    return Target(model.eval(), None, f"tiny-{seed}", Path("/nonexistent"))
+
+
+def trained_tiny_draft(target: Target, seed: int = 1, vocab: int | None = None, steps: int = 150) -> Eagle3Draft:
+    """A tiny draft trained with the real training step on the tiny target's own sampled outputs."""
+    from tide.serving.engine import Engine, EngineConfig
+    from tide.serving.sampling import SamplingParams
+    from tide.trainers.bootstrap import Recorder
+    from tide.trainers.ttt import TrainConfig, Trainer
+
+    rec = Recorder()
+    engine = Engine(target, None, EngineConfig(max_batch=32, max_model_len=64, gamma=0, seed=seed), tap=rec)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, target.config.vocab_size, (4,), generator=g).tolist() for _ in range(96)]
+    seqs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True))
+    lm_head = target.model.lm_head.weight.detach()
+    examples = [rec.example(s.request_id, lm_head) for s in seqs]
+    draft = tiny_draft(target, vocab, seed)
+    trainer = Trainer(draft, lm_head, TrainConfig(ttt_steps=3, batch_size=16, lr=3e-3, autocast=False, seed=seed))
+    for i in range(steps):
+        trainer.step([examples[(i * 16 + j) % len(examples)] for j in range(16)])
+    return draft.eval()
+
+
+def tiny_draft(target: Target, vocab: int | None = None, seed: int = 1) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    cfg = target.config
+    dcfg = DraftConfig.for_target(cfg, target.fingerprint, vocab or cfg.vocab_size)
+    draft = Eagle3Draft(dcfg, target.model.embed_tokens)
+    draft.set_vocab(torch.arange(dcfg.draft_vocab_size))
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+        # start close to the target's own head so that some drafts are accepted and some are not
+        draft.lm_head.weight.copy_(target.model.lm_head.weight[draft.target_ids()])
+    return draft.eval()

@@ -1,0 +1,167 @@
+"""`tide bench spec`: the same prompts with speculation off and on, interleaved in one process.
+
+Modes run group by group (a group = one batch of prompts), in a rotating order, so a noisy
+neighbour on a shared machine slows every mode alike. Speed is reported as tokens/s per mode and
+as ratios; the cost model's prediction is computed from step times measured in the same process.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.llama import Batch
+from tide.models.loader import Target, load_target
+from tide.prompts import load_prompts, split
+from tide.serving.cost_model import measure_profile
+from tide.serving.engine import Engine, EngineConfig, TapEvent
+from tide.serving.sampling import SamplingParams
+
+
+@dataclass
+class SpecBenchConfig:
+    prompts: Path
+    draft: Path
+    max_new_tokens: int = 128
+    batch_size: int = 1
+    dtype: torch.dtype = torch.bfloat16
+    gamma: int = 4
+    part: str = "test"
+    limit: int = 16
+    model: str | None = None
+    llama_cpp: bool = True
+
+
+@dataclass
+class ModeResult:
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _noop_tap(ev: TapEvent) -> None:
+    return None
+
+
+def _top2_gap(target: Target, prefix: list[int]) -> float:
+    """The reference's logit margin between its best and second-best token after `prefix`."""
+    model = target.model
+    cache = model.new_cache(1, len(prefix) + 2)
+    pos = torch.arange(len(prefix)).unsqueeze(0)
+    with torch.inference_mode():
+        out = model(torch.tensor([prefix]), Batch.make(0, pos, None, len(prefix) + 2), cache, False)
+        top = model.logits(out.hidden[:, -1]).topk(2, -1).values[0]
+    return float(top[0] - top[1])
+
+
+def _llama_cpp(path: Path, n_ctx: int) -> Any | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
+
+
+def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
+    target = load_target(cfg.model, cfg.dtype)
+    tok = target.tokenizer
+    chosen = split(load_prompts(cfg.prompts), cfg.part)
+    prompts = [p.token_ids(tok) for p in (chosen[: cfg.limit] if cfg.limit else chosen)]
+    max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + 8
+    draft = Eagle3Draft.load(cfg.draft, target.model.embed_tokens, target.config, target.fingerprint, cfg.dtype)
+    ecfg = EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=cfg.gamma)
+    engines = {
+        "baseline": Engine(target, None, EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=0)),
+        "speculative": Engine(target, draft, ecfg),
+        "speculative_tap": Engine(target, draft, ecfg, tap=_noop_tap),
+    }
+    llama = _llama_cpp(target.path, max_len) if cfg.llama_cpp and target.path.suffix == ".gguf" else None
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, ignore_eos=False)
+    groups = [prompts[i : i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
+
+    # warm-up (allocations, oneDNN kernel selection), not timed
+    for eng in engines.values():
+        eng.generate(groups[0][:1], SamplingParams(max_tokens=8))
+    for name in ("speculative", "speculative_tap"):
+        engines[name].stats.__init__(engines[name].cfg.max_gamma)  # type: ignore[misc]
+        engines[name].tap_seconds = 0.0
+
+    results = {name: ModeResult() for name in engines}
+    if llama is not None:
+        results["llama_cpp"] = ModeResult()
+    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    group_speedups: list[float] = []
+    modes = list(results)
+    for gi, group in enumerate(tqdm(groups, desc="bench spec", unit="batch")):
+        per_group: dict[str, ModeResult] = {}
+        order = modes[gi % len(modes) :] + modes[: gi % len(modes)]
+        for name in order:
+            start = time.perf_counter()
+            if name == "llama_cpp":
+                n = 0
+                for p in group:
+                    res = llama.create_completion(prompt=p, max_tokens=cfg.max_new_tokens, temperature=0.0)  # type: ignore[union-attr]
+                    n += int(res["usage"]["completion_tokens"])
+                per_group[name] = ModeResult(n, time.perf_counter() - start)
+            else:
+                seqs = engines[name].generate(group, params)
+                per_group[name] = ModeResult(sum(len(s.output) for s in seqs), time.perf_counter() - start)
+                outputs[name] += [s.output for s in seqs]
+            results[name].tokens += per_group[name].tokens
+            results[name].seconds += per_group[name].seconds
+        group_speedups.append(per_group["speculative"].tokens_per_s / per_group["baseline"].tokens_per_s)
+
+    base_out, spec_out = outputs["baseline"], outputs["speculative"]
+    matches = [a == b for a, b in zip(base_out, spec_out, strict=True)]
+    gaps = []
+    for prompt, a, b, same in zip(prompts, base_out, spec_out, matches, strict=True):
+        if not same:
+            j = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            gaps.append(_top2_gap(target, prompt + a[:j]))
+
+    spec = engines["speculative"]
+    alphas = spec.stats.rates()[: cfg.gamma]
+    context = int(statistics.median(len(p) for p in prompts)) + cfg.max_new_tokens // 2
+    profile = measure_profile(target.model, spec.draft, cfg.batch_size, context, cfg.gamma + 1)
+    base_tps = results["baseline"].tokens_per_s
+    tapped = engines["speculative_tap"]
+    report: dict[str, Any] = {
+        "dtype": str(cfg.dtype).replace("torch.", ""),
+        "batch_size": cfg.batch_size,
+        "gamma": cfg.gamma,
+        "prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "draft_version": draft.cfg.version,
+        "baseline": {"tokens_per_s": base_tps, "tokens": results["baseline"].tokens, "seconds": results["baseline"].seconds},
+        "speculative": {
+            "tokens_per_s": results["speculative"].tokens_per_s,
+            "tokens": results["speculative"].tokens,
+            "seconds": results["speculative"].seconds,
+            "mean_accept_length": spec.stats.mean_accept_length,
+            "accept_rate_by_depth": alphas,
+        },
+        "speedup": results["speculative"].tokens_per_s / base_tps,
+        "speedup_median_over_batches": statistics.median(group_speedups),
+        "predicted_speedup": profile.speedup(alphas, cfg.gamma),
+        "step_profile": {"target_step_s": profile.target, "draft_step_s": profile.draft_step, "context": context},
+        "greedy_match_rate": sum(matches) / len(matches),
+        "greedy_identical": all(matches),
+        "divergence_top2_logit_gaps": gaps,
+        # time spent handing hidden states to a no-op callback, over the tapped run's time
+        "tap_overhead": tapped.tap_seconds / results["speculative_tap"].seconds,
+        "tap_throughput_ratio": results["speculative_tap"].tokens_per_s / results["speculative"].tokens_per_s,
+    }
+    if llama is not None:
+        report["llama_cpp"] = {"tokens_per_s": results["llama_cpp"].tokens_per_s, "tokens": results["llama_cpp"].tokens}
+    return report

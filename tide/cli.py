@@ -1,0 +1,141 @@
+"""The `tide` command."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import typer
+
+from tide.config import default_draft_dir, parse_dtype
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="TIDE: self-improving speculative LLM serving.")
+draft_app = typer.Typer(no_args_is_help=True, help="Draft models: train, inspect.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks, side by side in one run.")
+app.add_typer(draft_app, name="draft")
+app.add_typer(bench_app, name="bench")
+
+WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"
+DEFAULT_WORKLOADS = ("chat_en", "code", "math", "chat_fr")
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+@draft_app.command("train")
+def draft_train(
+    prompts: list[Path] = typer.Option(..., "--prompts", help="JSONL prompt file(s); repeat the option for several"),
+    out: Path = typer.Option(..., "--out", help="draft folder to write"),
+    budget_minutes: float = typer.Option(10.0, "--budget-minutes", help="wall-clock budget: generating data + training"),
+    part: str = typer.Option("all", "--part", help="train (first 80%), test (last 20%) or all lines of each file"),
+    model: str | None = typer.Option(None, "--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab"),
+    limit: int = typer.Option(0, "--limit", help="use at most this many prompts per file (0: all)"),
+) -> None:
+    """The target answers the prompts, the tap captures hidden states, and an EAGLE-3 head is trained."""
+    from tide.models.loader import load_target
+    from tide.prompts import load_prompts, split
+    from tide.trainers.bootstrap import BootstrapConfig, bootstrap
+
+    target = load_target(model, parse_dtype("bfloat16"))
+    items = []
+    for f in prompts:
+        chosen = split(load_prompts(f), part)
+        items += chosen[:limit] if limit else chosen
+    cfg = BootstrapConfig(budget_minutes=budget_minutes, max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab)
+    report = bootstrap(target, _interleave(items, len(prompts)), out, cfg)
+    last = report["history"][-1] if report["history"] else {}  # type: ignore[index]
+    typer.echo(json.dumps({"out": str(out), "examples": report["examples"], "tokens": report["tokens"], "final_eval": last}, indent=2))
+
+
+def _interleave(items: list, files: int) -> list:  # type: ignore[type-arg]
+    """Mix prompt files so a budget cut still sees every workload."""
+    if files <= 1:
+        return items
+    import random
+
+    mixed = items[:]
+    random.Random(0).shuffle(mixed)
+    return mixed
+
+
+@draft_app.command("ensure-default")
+def draft_ensure_default(
+    budget_minutes: float = typer.Option(12.0, "--budget-minutes"),
+    model: str | None = typer.Option(None, "--model"),
+) -> None:
+    """Train the default draft from the shipped workloads once; later calls find it cached."""
+    from tide.models.loader import load_target
+    from tide.prompts import load_prompts, split
+    from tide.trainers.bootstrap import BootstrapConfig, bootstrap
+
+    target = load_target(model)
+    out = default_draft_dir(target.fingerprint)
+    if (out / "model.safetensors").exists():
+        typer.echo(f"default draft present: {out}")
+        return
+    items = []
+    for name in DEFAULT_WORKLOADS:
+        items += split(load_prompts(WORKLOADS / f"{name}.jsonl"), "train")
+    tmp = out.with_name(out.name + ".partial")
+    bootstrap(target, _interleave(items, len(DEFAULT_WORKLOADS)), tmp, BootstrapConfig(budget_minutes=budget_minutes))
+    tmp.rename(out)
+    typer.echo(f"default draft trained: {out}")
+
+
+@app.command("serve")
+def serve(
+    model: str | None = typer.Option(None, "--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"),
+    draft: str | None = typer.Option(None, "--draft", help="draft folder (default: the cached default draft, if any)"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    dtype: str = typer.Option("bfloat16", "--dtype"),
+    gamma: int = typer.Option(4, "--gamma", help="draft tokens per step (0: no speculation)"),
+    max_batch: int = typer.Option(16, "--max-batch"),
+    max_model_len: int = typer.Option(2048, "--max-model-len"),
+    verbose: bool = typer.Option(False, "--verbose"),
+) -> None:
+    """OpenAI-compatible HTTP server over the speculative engine."""
+    import uvicorn
+
+    from tide.serving.api import build_app
+    from tide.serving.engine import EngineConfig
+
+    _setup_logging(verbose)
+    api = build_app(model, draft, parse_dtype(dtype), EngineConfig(max_batch=max_batch, max_model_len=max_model_len, gamma=gamma))
+    uvicorn.run(api, host=host, port=port, log_level="info")
+
+
+@bench_app.command("spec")
+def bench_spec(
+    prompts: Path = typer.Option(..., "--prompts"),
+    draft: Path = typer.Option(..., "--draft"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    batch_size: int = typer.Option(1, "--batch-size"),
+    dtype: str = typer.Option("bfloat16", "--dtype"),
+    gamma: int = typer.Option(4, "--gamma"),
+    part: str = typer.Option("test", "--part", help="train, test or all lines of the prompt file"),
+    limit: int = typer.Option(16, "--limit", help="prompts to run (0: all)"),
+    model: str | None = typer.Option(None, "--model"),
+    out: Path = typer.Option(Path("out/bench_spec.json"), "--out"),
+    llama_cpp: bool = typer.Option(True, "--llama-cpp/--no-llama-cpp", help="also time llama.cpp when installed"),
+) -> None:
+    """Speculation off and on (and with a no-op tap), interleaved in one process."""
+    from tide.bench.spec import SpecBenchConfig, run_spec_bench
+
+    cfg = SpecBenchConfig(prompts, draft, max_new_tokens, batch_size, parse_dtype(dtype), gamma, part, limit, model, llama_cpp)
+    report = run_spec_bench(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    summary = {k: report[k] for k in ("speedup", "predicted_speedup", "greedy_match_rate", "tap_overhead")}
+    summary["baseline_tps"] = report["baseline"]["tokens_per_s"]
+    summary["speculative_tps"] = report["speculative"]["tokens_per_s"]
+    typer.echo(json.dumps(summary, indent=2))
+    typer.echo(f"report: {out}")
+
+
+if __name__ == "__main__":
+    app()
