@@ -72,7 +72,9 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> tuple[Sequence, asyncio.Queue[tuple[list[int], bool]]]:
+    def submit(
+        self, prompt: list[int], params: SamplingParams
+    ) -> tuple[Sequence, asyncio.Queue[tuple[list[int], bool]]]:
         queue: asyncio.Queue[tuple[list[int], bool]] = asyncio.Queue()
         rid = f"req-{uuid.uuid4().hex[:16]}"
         self.waiters[rid] = _Waiter(asyncio.get_running_loop(), queue)
@@ -110,8 +112,13 @@ class EngineLoop:
         self.wake.set()
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": kind, "param": param, "code": None}},
+    )
 
 
 def build_app(model: str | None, draft: str | None, dtype: torch.dtype, cfg: EngineConfig) -> FastAPI:
@@ -130,7 +137,7 @@ def make_app(target: Target, engine: Engine) -> FastAPI:
     app = FastAPI(title="TIDE")
     loop = EngineLoop(engine)
     app.state.engine_loop = loop
-    tok = target.tokenizer
+    tok = target.tok
 
     @app.on_event("shutdown")
     def _shutdown() -> None:
@@ -138,11 +145,21 @@ def make_app(target: Target, engine: Engine) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "draft": engine.draft_version, "running": len(engine.running), "waiting": len(engine.waiting)}
+        return {
+            "status": "ok",
+            "draft": engine.draft_version,
+            "running": len(engine.running),
+            "waiting": len(engine.waiting),
+        }
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "owned_by": "tide", "fingerprint": target.fingerprint}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": MODEL_ID, "object": "model", "owned_by": "tide", "fingerprint": target.fingerprint}
+            ],
+        }
 
     async def handle(request: Request, chat: bool) -> Any:
         try:
@@ -150,11 +167,18 @@ def make_app(target: Target, engine: Engine) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "request body is not valid JSON")
         try:
-            req: ChatRequest | CompletionRequest = (ChatRequest if chat else CompletionRequest).model_validate(body)
+            req: ChatRequest | CompletionRequest = (
+                ChatRequest if chat else CompletionRequest
+            ).model_validate(body)
         except ValidationError as e:
             return _error(400, f"invalid request: {e.errors()[0]['msg']} at {e.errors()[0]['loc']}")
         if req.model != MODEL_ID:
-            return _error(404, f"model {req.model!r} does not exist; this server serves {MODEL_ID!r}", "not_found_error", "model")
+            return _error(
+                404,
+                f"model {req.model!r} does not exist; this server serves {MODEL_ID!r}",
+                "not_found_error",
+                "model",
+            )
         if req.n != 1:
             return _error(400, "only n=1 is supported", param="n")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -162,7 +186,11 @@ def make_app(target: Target, engine: Engine) -> FastAPI:
             prompt = tok.chat_prompt([m.model_dump() for m in req.messages])
         else:
             prompt = tok.encode(req.prompt)
-        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, min(512, engine.cfg.max_model_len - len(prompt)))
+        max_tokens = (
+            req.max_tokens
+            if req.max_tokens is not None
+            else max(1, min(512, engine.cfg.max_model_len - len(prompt)))
+        )
         params = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, stop)
         try:
             seq, queue = loop.submit(prompt, params)
@@ -171,7 +199,9 @@ def make_app(target: Target, engine: Engine) -> FastAPI:
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + seq.request_id
         if req.stream:
-            return StreamingResponse(_stream(request, seq, queue, rid, created, chat), media_type="text/event-stream")
+            return StreamingResponse(
+                _stream(request, seq, queue, rid, created, chat), media_type="text/event-stream"
+            )
         try:
             while True:
                 _, done = await queue.get()
@@ -181,34 +211,86 @@ def make_app(target: Target, engine: Engine) -> FastAPI:
             engine.abort(seq)
             raise
         text = _final_text(seq)
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(seq.output), "total_tokens": len(prompt) + len(seq.output)}
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(seq.output),
+            "total_tokens": len(prompt) + len(seq.output),
+        }
         reason = "length" if seq.finish_reason == "length" else "stop"
         if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            return {"id": rid, "object": "chat.completion", "created": created, "model": MODEL_ID, "choices": [choice], "usage": usage}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+            }
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": MODEL_ID,
+                "choices": [choice],
+                "usage": usage,
+            }
         choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {"id": rid, "object": "text_completion", "created": created, "model": MODEL_ID, "choices": [choice], "usage": usage}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": MODEL_ID,
+            "choices": [choice],
+            "usage": usage,
+        }
 
     def _final_text(seq: Sequence) -> str:
-        return seq.stop_text if seq.params.stop and seq.finish_reason == "stop" and seq.stop_text else tok.decode(seq.output)
+        return (
+            seq.stop_text
+            if seq.params.stop and seq.finish_reason == "stop" and seq.stop_text
+            else tok.decode(seq.output)
+        )
 
     async def _stream(
-        request: Request, seq: Sequence, queue: asyncio.Queue[tuple[list[int], bool]], rid: str, created: int, chat: bool
+        request: Request,
+        seq: Sequence,
+        queue: asyncio.Queue[tuple[list[int], bool]],
+        rid: str,
+        created: int,
+        chat: bool,
     ) -> AsyncIterator[str]:
         sent = ""
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str, reason: str | None) -> str:
             if chat:
-                c: dict[str, Any] = {"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": reason}
+                c: dict[str, Any] = {
+                    "index": 0,
+                    "delta": {"content": delta} if delta else {},
+                    "finish_reason": reason,
+                }
             else:
                 c = {"index": 0, "text": delta, "finish_reason": reason}
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": MODEL_ID, "choices": [c]}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps(
+                    {"id": rid, "object": obj, "created": created, "model": MODEL_ID, "choices": [c]}
+                )
+                + "\n\n"
+            )
 
         try:
             if chat:
-                yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": MODEL_ID,
-                                             "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {
+                            "id": rid,
+                            "object": obj,
+                            "created": created,
+                            "model": MODEL_ID,
+                            "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}],
+                        }
+                    )
+                    + "\n\n"
+                )
             while True:
                 _, done = await queue.get()
                 text = _final_text(seq) if done else tok.decode(seq.output)

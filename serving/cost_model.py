@@ -57,7 +57,12 @@ def _median_time(fn: object, repeats: int) -> float:
 
 @torch.inference_mode()
 def measure_profile(
-    model: LlamaModel, draft: Eagle3Draft | None, batch_size: int, context: int, max_tokens: int, repeats: int = 9
+    model: LlamaModel,
+    draft: Eagle3Draft | None,
+    batch_size: int,
+    context: int,
+    max_tokens: int,
+    repeats: int = 9,
 ) -> StepProfile:
     """Time target forwards of 1..max_tokens tokens per sequence and one draft step, at `context` positions."""
     cap = context + max_tokens + 2

@@ -24,8 +24,8 @@ import torch
 
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.llama import Batch
-from tide.models.packing import pack_linears
 from tide.models.loader import Target
+from tide.models.packing import pack_linears
 from tide.serving.sampling import BatchSampling, SamplingParams, Verdict, probs_from_logits, sample, verify
 
 
@@ -97,7 +97,9 @@ class DraftStats:
         self.emitted += int(accepted.sum()) + int(accepted.numel())
 
     def rates(self) -> list[float]:
-        return [a / t if t else 0.0 for a, t in zip(self.accepted.tolist(), self.attempted.tolist(), strict=True)]
+        return [
+            a / t if t else 0.0 for a, t in zip(self.accepted.tolist(), self.attempted.tolist(), strict=True)
+        ]
 
     @property
     def mean_accept_length(self) -> float:
@@ -106,7 +108,9 @@ class DraftStats:
 
 
 class Engine:
-    def __init__(self, target: Target, draft: Eagle3Draft | None, cfg: EngineConfig, tap: TapCallback | None = None):
+    def __init__(
+        self, target: Target, draft: Eagle3Draft | None, cfg: EngineConfig, tap: TapCallback | None = None
+    ):
         self.target = target
         self.model = target.model
         self.cfg = cfg
@@ -167,7 +171,9 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Sequence]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         while self.has_work:
@@ -177,7 +183,9 @@ class Engine:
     # -- drafts -----------------------------------------------------------------------------------
     def load_draft(self, path: str | Path) -> Eagle3Draft:
         """Load and check a draft in the caller's thread; the engine switches to it between steps."""
-        draft = Eagle3Draft.load(path, self.model.embed_tokens, self.model.cfg, self.target.fingerprint, self.dtype)
+        draft = Eagle3Draft.load(
+            path, self.model.embed_tokens, self.model.cfg, self.target.fingerprint, self.dtype
+        )
         with self._lock:
             self._next_draft = draft
         return draft
@@ -262,11 +270,24 @@ class Engine:
             self._sync_draft(slot)
         if self.tap is not None and seq.capture:
             t = time.perf_counter()
-            self.tap(TapEvent(seq.request_id, seq.workload, 0, prompt, out.aux[0], out.hidden[0], True, self.draft_version))
+            self.tap(
+                TapEvent(
+                    seq.request_id,
+                    seq.workload,
+                    0,
+                    prompt,
+                    out.aux[0],
+                    out.hidden[0],
+                    True,
+                    self.draft_version,
+                )
+            )
             self.tap_seconds += time.perf_counter() - t
         return StepOutput(seq, self._append(seq, [first]))
 
-    def _propose(self, seqs: list[Sequence], s: BatchSampling, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _propose(
+        self, seqs: list[Sequence], s: BatchSampling, u: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chain-draft gamma tokens per sequence: (B, gamma) target ids, and q (B, gamma, V) when sampling."""
         draft = self.draft
         assert draft is not None
@@ -281,7 +302,12 @@ class Engine:
         # padding rows sit at the sequence's last position (keeps the attended span short) and write to scratch
         pos = torch.where(valid, pos, (lengths - 1).unsqueeze(1))
         hidden = draft.fc(self.aux[rows.unsqueeze(1), pos])
-        out = draft(hidden, self.tokens[rows.unsqueeze(1), pos + 1], Batch.make(0, pos, valid, self.capacity), self.dcache)
+        out = draft(
+            hidden,
+            self.tokens[rows.unsqueeze(1), pos + 1],
+            Batch.make(0, pos, valid, self.capacity),
+            self.dcache,
+        )
         last = out[rows, lengths - 1 - dlen].unsqueeze(1)
         self.draft_lengths[:bsz] = lengths
         tokens = torch.empty(bsz, gamma, dtype=torch.long)
@@ -370,7 +396,18 @@ class Engine:
         for i, (seq, n, start) in enumerate(zip(seqs, acc.tolist(), lengths.tolist(), strict=True)):
             if seq.capture:
                 k = n + 1
-                self.tap(TapEvent(seq.request_id, seq.workload, start, inp[i, :k], aux[i, :k], hidden[i, :k], False, version))
+                self.tap(
+                    TapEvent(
+                        seq.request_id,
+                        seq.workload,
+                        start,
+                        inp[i, :k],
+                        aux[i, :k],
+                        hidden[i, :k],
+                        False,
+                        version,
+                    )
+                )
         self.tap_seconds += time.perf_counter() - t
 
     # -- finishing --------------------------------------------------------------------------------

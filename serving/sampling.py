@@ -104,7 +104,9 @@ class Verdict:
     tokens: torch.Tensor  # (B, gamma + 1): accepted drafts then the correction/bonus token at [accepted]
 
 
-def verify(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u_accept: torch.Tensor, u_final: torch.Tensor) -> Verdict:
+def verify(
+    p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u_accept: torch.Tensor, u_final: torch.Tensor
+) -> Verdict:
     """Speculative sampling (Leviathan et al.; Chen et al.) for a batch.
 
     p (B, g+1, V): target probabilities at each verified position; q (B, g, V): the draft

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,24 +43,49 @@ def trained_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("draft") / "code"
     res = CliRunner().invoke(
         app,
-        ["draft", "train", "--prompts", str(WORKLOADS / "code.jsonl"), "--part", "train", "--limit", "48",
-         "--out", str(out), "--budget-minutes", "1.5", "--max-new-tokens", "96", "--draft-vocab", "4096"],
+        [
+            "draft",
+            "train",
+            "--prompts",
+            str(WORKLOADS / "code.jsonl"),
+            "--part",
+            "train",
+            "--limit",
+            "48",
+            "--out",
+            str(out),
+            "--budget-minutes",
+            "1.5",
+            "--max-new-tokens",
+            "96",
+            "--draft-vocab",
+            "4096",
+        ],
     )
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert (out / "model.safetensors").exists()
     return out
 
 
-def tiny_config(vocab: int = 256, layers: int = 2, **kw: object) -> LlamaConfig:
+def tiny_config(vocab: int = 256, layers: int = 2, **kw: Any) -> LlamaConfig:
     base: dict[str, object] = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4, num_kv_heads=2,
-        head_dim=16, rope_theta=10000.0, max_position=256, tie_embeddings=False, eos_token_ids=(),
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position=256,
+        tie_embeddings=False,
+        eos_token_ids=(),
     )
     base.update(kw)
     return LlamaConfig(**base)  # type: ignore[arg-type]
 
 
-def tiny_target(seed: int = 0, scale: float = 1.0, **kw: object) -> Target:
+def tiny_target(seed: int = 0, scale: float = 1.0, **kw: Any) -> Target:
     """A random Llama small enough to enumerate its distributions."""
     torch.manual_seed(seed)
     cfg = tiny_config(**kw)
@@ -73,7 +99,9 @@ def tiny_target(seed: int = 0, scale: float = 1.0, **kw: object) -> Target:
     return Target(model.eval(), None, f"tiny-{seed}", Path("/nonexistent"))
 
 
-def trained_tiny_draft(target: Target, seed: int = 1, vocab: int | None = None, steps: int = 150) -> Eagle3Draft:
+def trained_tiny_draft(
+    target: Target, seed: int = 1, vocab: int | None = None, steps: int = 150
+) -> Eagle3Draft:
     """A tiny draft trained with the real training step on the tiny target's own sampled outputs."""
     from tide.serving.engine import Engine, EngineConfig
     from tide.serving.sampling import SamplingParams
@@ -88,7 +116,9 @@ def trained_tiny_draft(target: Target, seed: int = 1, vocab: int | None = None, 
     lm_head = target.model.lm_head.weight.detach()
     examples = [rec.example(s.request_id, lm_head) for s in seqs]
     draft = tiny_draft(target, vocab, seed)
-    trainer = Trainer(draft, lm_head, TrainConfig(ttt_steps=3, batch_size=16, lr=3e-3, autocast=False, seed=seed))
+    trainer = Trainer(
+        draft, lm_head, TrainConfig(ttt_steps=3, batch_size=16, lr=3e-3, autocast=False, seed=seed)
+    )
     for i in range(steps):
         trainer.step([examples[(i * 16 + j) % len(examples)] for j in range(16)])
     return draft.eval()

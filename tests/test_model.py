@@ -23,8 +23,12 @@ def test_default_model_matches_transformers(target_fp32) -> None:
     from transformers import AutoModelForCausalLM
 
     path = target_fp32.path
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    ids = target_fp32.tokenizer.chat_prompt([{"role": "user", "content": "Write a haiku about the sea, then translate it to French."}])
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = target_fp32.tokenizer.chat_prompt(
+        [{"role": "user", "content": "Write a haiku about the sea, then translate it to French."}]
+    )
     ours = _our_logits(target_fp32.model, ids)
     with torch.inference_mode():
         theirs = ref(torch.tensor([ids])).logits[0]
@@ -40,9 +44,19 @@ def test_fingerprint_identifies_the_target(target_fp32, target_bf16) -> None:
     assert target_bf16.fingerprint == fp
 
 
-VARIANTS = {
-    "llama3_scaling": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
+    "llama3_scaling": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "untied": ("llama", {"tie_word_embeddings": False}),
     "qwen2_bias": ("qwen2", {}),
     "qwen3_qk_norm": ("qwen3", {"head_dim": 16}),
@@ -54,12 +68,23 @@ def test_hf_folder_variants_match_transformers(variant: str, tmp_path: Path) -> 
     import transformers
 
     kind, extra = VARIANTS[variant]
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)
+    common: dict[str, object] = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
     common.update(extra)
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
     torch.manual_seed(0)
     ref = cls[1](cls[0](**common)).eval()
     ref.save_pretrained(tmp_path, safe_serialization=True)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from tide.serving.sampling import BatchSampling, SamplingParams, probs_from_logits, residual, sample, top_k_top_p, verify
+from tide.serving.sampling import (
+    BatchSampling,
+    SamplingParams,
+    probs_from_logits,
+    residual,
+    sample,
+    top_k_top_p,
+    verify,
+)
 
 
 def _random_dist(v: int, g: torch.Generator, peak: float = 3.0) -> torch.Tensor:
@@ -25,7 +33,13 @@ def test_accept_then_residual_reproduces_p_exactly() -> None:
         accept = torch.zeros(v, dtype=torch.float64)
         for x in range(v):
             d = torch.full((len(grid), 1), x)
-            out = verify(p.expand(len(grid), 2, v).clone(), q.expand(len(grid), 1, v).clone(), d, grid.unsqueeze(1), grid)
+            out = verify(
+                p.expand(len(grid), 2, v).clone(),
+                q.expand(len(grid), 1, v).clone(),
+                d,
+                grid.unsqueeze(1),
+                grid,
+            )
             accept[x] = (out.accepted == 1).double().mean()
         expected_accept = torch.minimum(torch.ones(v, dtype=torch.float64), p / q)
         assert torch.allclose(accept, expected_accept, atol=1 / 4000 + 1e-12)
@@ -41,8 +55,13 @@ def test_rejected_token_comes_from_the_residual() -> None:
     # force a rejection (u just below 1 rejects whenever p(d) < q(d)), sweep the final uniform
     d = int(torch.argmax(q / p))
     grid = (torch.arange(20000, dtype=torch.float64) + 0.5) / 20000
-    out = verify(p.expand(len(grid), 2, 5).clone(), q.expand(len(grid), 1, 5).clone(), torch.full((len(grid), 1), d),
-                 torch.full((len(grid), 1), 0.999999), grid)
+    out = verify(
+        p.expand(len(grid), 2, 5).clone(),
+        q.expand(len(grid), 1, 5).clone(),
+        torch.full((len(grid), 1), d),
+        torch.full((len(grid), 1), 0.999999),
+        grid,
+    )
     assert (out.accepted == 0).all()
     freq = torch.bincount(out.tokens[:, 0], minlength=5).double() / len(grid)
     assert torch.allclose(freq, r, atol=1e-4)
@@ -78,6 +97,11 @@ def test_top_k_top_p() -> None:
 def test_bad_sampling_params_are_refused() -> None:
     import pytest
 
-    for bad in (SamplingParams(temperature=-1), SamplingParams(top_p=0), SamplingParams(top_k=-2), SamplingParams(max_tokens=0)):
+    for bad in (
+        SamplingParams(temperature=-1),
+        SamplingParams(top_p=0),
+        SamplingParams(top_k=-2),
+        SamplingParams(max_tokens=0),
+    ):
         with pytest.raises(ValueError):
             bad.validate()

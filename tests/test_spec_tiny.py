@@ -31,12 +31,16 @@ def test_speculative_sampling_keeps_the_target_distribution() -> None:
     ones = torch.arange(v).unsqueeze(1)
     p2 = _next_probs(target.model, torch.cat([torch.tensor([prompt]).repeat(v, 1), ones], 1), temperature)
     pairs = torch.stack(torch.meshgrid(torch.arange(v), torch.arange(v), indexing="ij"), -1).view(-1, 2)
-    p3 = _next_probs(target.model, torch.cat([torch.tensor([prompt]).repeat(v * v, 1), pairs], 1), temperature).view(v, v, v)
+    p3 = _next_probs(
+        target.model, torch.cat([torch.tensor([prompt]).repeat(v * v, 1), pairs], 1), temperature
+    ).view(v, v, v)
     exact = p1.view(v, 1, 1) * p2.view(v, v, 1) * p3
 
     n = 12000
     engine = Engine(target, draft, EngineConfig(max_batch=128, max_model_len=16, gamma=2, seed=11))
-    seqs = engine.generate([prompt] * n, SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True))
+    seqs = engine.generate(
+        [prompt] * n, SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
+    )
     counts = torch.zeros(v, v, v, dtype=torch.float64)
     for s in seqs:
         a, b, c = s.output
@@ -58,14 +62,19 @@ def test_speculative_sampling_keeps_the_target_distribution() -> None:
 
 def _reference_greedy(target, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     engine = Engine(target, None, EngineConfig(max_batch=1, max_model_len=64, gamma=0))
-    return [s.output for s in engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+    return [
+        s.output for s in engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    ]
 
 
 def test_greedy_lossless_tiny_all_batch_sizes_and_gammas() -> None:
     target = tiny_target(seed=5, scale=2.0)
     draft = trained_tiny_draft(target, seed=6, vocab=128)  # a reduced draft vocabulary, as in production
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(24)]
+    prompts = [
+        torch.randint(0, 256, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(24)
+    ]
     ref = _reference_greedy(target, prompts, 20)
     for batch in (1, 4, 16):
         for gamma in range(1, 6):
@@ -79,8 +88,23 @@ def test_tap_hands_out_exactly_the_committed_positions() -> None:
     target = tiny_target(seed=7)
     draft = tiny_draft(target, seed=8)
     events: list[TapEvent] = []
-    engine = Engine(target, draft, EngineConfig(max_batch=4, max_model_len=64, gamma=3), tap=lambda e: events.append(
-        TapEvent(e.request_id, e.workload, e.first_position, e.tokens.clone(), e.aux.clone(), e.hidden.clone(), e.prefill, e.draft_version)))
+    engine = Engine(
+        target,
+        draft,
+        EngineConfig(max_batch=4, max_model_len=64, gamma=3),
+        tap=lambda e: events.append(
+            TapEvent(
+                e.request_id,
+                e.workload,
+                e.first_position,
+                e.tokens.clone(),
+                e.aux.clone(),
+                e.hidden.clone(),
+                e.prefill,
+                e.draft_version,
+            )
+        ),
+    )
     prompts = [[1, 2, 3, 4], [9, 8, 7], [100, 50, 25, 12, 6]]
     seqs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     for seq in seqs:
@@ -97,7 +121,12 @@ def test_tap_hands_out_exactly_the_committed_positions() -> None:
         model = target.model
         cache = model.new_cache(1, len(tokens) + 1)
         with torch.inference_mode():
-            ref = model(tokens.unsqueeze(0), Batch.make(0, torch.arange(len(tokens)).unsqueeze(0), None, len(tokens) + 1), cache, True)
+            ref = model(
+                tokens.unsqueeze(0),
+                Batch.make(0, torch.arange(len(tokens)).unsqueeze(0), None, len(tokens) + 1),
+                cache,
+                True,
+            )
         assert torch.allclose(torch.cat([e.aux for e in evs]), ref.aux[0], atol=1e-5)
         assert torch.allclose(torch.cat([e.hidden for e in evs]), ref.hidden[0], atol=1e-5)
         assert evs[0].aux.shape[-1] == 3 * target.config.hidden_size
@@ -130,6 +159,8 @@ def test_seeded_sampling_is_reproducible() -> None:
     runs = []
     for _ in range(2):
         engine = Engine(target, draft, EngineConfig(max_batch=4, max_model_len=64, gamma=3))
-        seqs = engine.generate([[3, 4, 5], [6, 7]], [params, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)])
+        seqs = engine.generate(
+            [[3, 4, 5], [6, 7]], [params, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)]
+        )
         runs.append(seqs[0].output)
     assert runs[0] == runs[1]

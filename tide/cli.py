@@ -9,8 +9,11 @@ from pathlib import Path
 import typer
 
 from tide.config import default_draft_dir, parse_dtype
+from tide.prompts import Prompt
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="TIDE: self-improving speculative LLM serving.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="TIDE: self-improving speculative LLM serving."
+)
 draft_app = typer.Typer(no_args_is_help=True, help="Draft models: train, inspect.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks, side by side in one run.")
 app.add_typer(draft_app, name="draft")
@@ -21,16 +24,27 @@ DEFAULT_WORKLOADS = ("chat_en", "code", "math", "chat_fr")
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
 
 
 @draft_app.command("train")
 def draft_train(
-    prompts: list[Path] = typer.Option(..., "--prompts", help="JSONL prompt file(s); repeat the option for several"),
+    prompts: list[Path] = typer.Option(
+        ..., "--prompts", help="JSONL prompt file(s); repeat the option for several"
+    ),
     out: Path = typer.Option(..., "--out", help="draft folder to write"),
-    budget_minutes: float = typer.Option(10.0, "--budget-minutes", help="wall-clock budget: generating data + training"),
-    part: str = typer.Option("all", "--part", help="train (first 80%), test (last 20%) or all lines of each file"),
-    model: str | None = typer.Option(None, "--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"),
+    budget_minutes: float = typer.Option(
+        10.0, "--budget-minutes", help="wall-clock budget: generating data + training"
+    ),
+    part: str = typer.Option(
+        "all", "--part", help="train (first 80%), test (last 20%) or all lines of each file"
+    ),
+    model: str | None = typer.Option(
+        None, "--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"
+    ),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     draft_vocab: int = typer.Option(8192, "--draft-vocab"),
     limit: int = typer.Option(0, "--limit", help="use at most this many prompts per file (0: all)"),
@@ -45,13 +59,20 @@ def draft_train(
     for f in prompts:
         chosen = split(load_prompts(f), part)
         items += chosen[:limit] if limit else chosen
-    cfg = BootstrapConfig(budget_minutes=budget_minutes, max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab)
+    cfg = BootstrapConfig(
+        budget_minutes=budget_minutes, max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab
+    )
     report = bootstrap(target, _interleave(items, len(prompts)), out, cfg)
-    last = report["history"][-1] if report["history"] else {}  # type: ignore[index]
-    typer.echo(json.dumps({"out": str(out), "examples": report["examples"], "tokens": report["tokens"], "final_eval": last}, indent=2))
+    last = report["history"][-1] if report["history"] else {}
+    typer.echo(
+        json.dumps(
+            {"out": str(out), "examples": report["examples"], "tokens": report["tokens"], "final_eval": last},
+            indent=2,
+        )
+    )
 
 
-def _interleave(items: list, files: int) -> list:  # type: ignore[type-arg]
+def _interleave(items: list[Prompt], files: int) -> list[Prompt]:
     """Mix prompt files so a budget cut still sees every workload."""
     if files <= 1:
         return items
@@ -81,15 +102,24 @@ def draft_ensure_default(
     for name in DEFAULT_WORKLOADS:
         items += split(load_prompts(WORKLOADS / f"{name}.jsonl"), "train")
     tmp = out.with_name(out.name + ".partial")
-    bootstrap(target, _interleave(items, len(DEFAULT_WORKLOADS)), tmp, BootstrapConfig(budget_minutes=budget_minutes))
+    bootstrap(
+        target,
+        _interleave(items, len(DEFAULT_WORKLOADS)),
+        tmp,
+        BootstrapConfig(budget_minutes=budget_minutes),
+    )
     tmp.rename(out)
     typer.echo(f"default draft trained: {out}")
 
 
 @app.command("serve")
 def serve(
-    model: str | None = typer.Option(None, "--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"),
-    draft: str | None = typer.Option(None, "--draft", help="draft folder (default: the cached default draft, if any)"),
+    model: str | None = typer.Option(
+        None, "--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"
+    ),
+    draft: str | None = typer.Option(
+        None, "--draft", help="draft folder (default: the cached default draft, if any)"
+    ),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     dtype: str = typer.Option("bfloat16", "--dtype"),
@@ -105,7 +135,12 @@ def serve(
     from tide.serving.engine import EngineConfig
 
     _setup_logging(verbose)
-    api = build_app(model, draft, parse_dtype(dtype), EngineConfig(max_batch=max_batch, max_model_len=max_model_len, gamma=gamma))
+    api = build_app(
+        model,
+        draft,
+        parse_dtype(dtype),
+        EngineConfig(max_batch=max_batch, max_model_len=max_model_len, gamma=gamma),
+    )
     uvicorn.run(api, host=host, port=port, log_level="info")
 
 
@@ -121,12 +156,16 @@ def bench_spec(
     limit: int = typer.Option(16, "--limit", help="prompts to run (0: all)"),
     model: str | None = typer.Option(None, "--model"),
     out: Path = typer.Option(Path("out/bench_spec.json"), "--out"),
-    llama_cpp: bool = typer.Option(True, "--llama-cpp/--no-llama-cpp", help="also time llama.cpp when installed"),
+    llama_cpp: bool = typer.Option(
+        True, "--llama-cpp/--no-llama-cpp", help="also time llama.cpp when installed"
+    ),
 ) -> None:
     """Speculation off and on (and with a no-op tap), interleaved in one process."""
     from tide.bench.spec import SpecBenchConfig, run_spec_bench
 
-    cfg = SpecBenchConfig(prompts, draft, max_new_tokens, batch_size, parse_dtype(dtype), gamma, part, limit, model, llama_cpp)
+    cfg = SpecBenchConfig(
+        prompts, draft, max_new_tokens, batch_size, parse_dtype(dtype), gamma, part, limit, model, llama_cpp
+    )
     report = run_spec_bench(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

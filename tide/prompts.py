@@ -36,7 +36,12 @@ def load_prompts(path: str | Path) -> list[Prompt]:
                 raise PromptFileError(f"{path}:{n}: not JSON: {e}") from e
             if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
                 msgs = obj["messages"]
-                if not all(isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str) for m in msgs):
+                if not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("content"), str)
+                    and isinstance(m.get("role"), str)
+                    for m in msgs
+                ):
                     raise PromptFileError(f"{path}:{n}: each message needs string 'role' and 'content'")
                 out.append(Prompt(messages=[{"role": m["role"], "content": m["content"]} for m in msgs]))
             elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):

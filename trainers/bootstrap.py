@@ -44,8 +44,16 @@ class Recorder:
     def __call__(self, ev: TapEvent) -> None:
         # the engine reuses its buffers: keep copies
         self.parts.setdefault(ev.request_id, []).append(
-            TapEvent(ev.request_id, ev.workload, ev.first_position, ev.tokens.clone(), ev.aux.to(torch.bfloat16, copy=True),
-                     ev.hidden.to(torch.bfloat16, copy=True), ev.prefill, ev.draft_version)
+            TapEvent(
+                ev.request_id,
+                ev.workload,
+                ev.first_position,
+                ev.tokens.clone(),
+                ev.aux.to(torch.bfloat16, copy=True),
+                ev.hidden.to(torch.bfloat16, copy=True),
+                ev.prefill,
+                ev.draft_version,
+            )
         )
 
     def example(self, request_id: str, lm_head: torch.Tensor) -> Example:
@@ -71,7 +79,7 @@ def collect(target: Target, prompts: list[Prompt], cfg: BootstrapConfig, deadlin
     with tqdm(total=len(prompts), desc="target answers prompts", unit="prompt") as bar:
         while pending or engine.has_work:
             while pending and len(engine.waiting) < cfg.gen_batch and time.monotonic() < deadline:
-                ids = pending.pop(0).token_ids(target.tokenizer)
+                ids = pending.pop(0).token_ids(target.tok)
                 engine.add(ids[-(2048 - cfg.max_new_tokens) :], params)
             if not engine.has_work:
                 break

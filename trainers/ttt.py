@@ -27,7 +27,14 @@ class Example:
     learn_from: int = 0  # positions >= this have distributions worth learning (the completion)
 
     @classmethod
-    def make(cls, tokens: torch.Tensor, aux: torch.Tensor, hidden: torch.Tensor, lm_head: torch.Tensor, learn_from: int = 0) -> Example:
+    def make(
+        cls,
+        tokens: torch.Tensor,
+        aux: torch.Tensor,
+        hidden: torch.Tensor,
+        lm_head: torch.Tensor,
+        learn_from: int = 0,
+    ) -> Example:
         best = torch.cat([(h.float() @ lm_head.float().T).argmax(-1) for h in hidden.split(256)])
         return cls(tokens, aux, hidden, best, learn_from)
 
@@ -98,7 +105,14 @@ def collate(examples: list[Example], max_len: int) -> dict[str, torch.Tensor]:
         learn[i, :n] = torch.arange(s, e) >= ex.learn_from
         best[i, :n] = ex.best[s:e]
     positions = torch.arange(length).repeat(b, 1)
-    return {"tokens": tokens, "aux": aux, "hidden": hidden, "learn": learn, "best": best, "positions": positions}
+    return {
+        "tokens": tokens,
+        "aux": aux,
+        "hidden": hidden,
+        "learn": learn,
+        "best": best,
+        "positions": positions,
+    }
 
 
 def shift(x: torch.Tensor, k: int, fill: float | int | bool = 0) -> torch.Tensor:
@@ -168,7 +182,9 @@ class Trainer:
         batch = collate(examples, self.cfg.max_len)
         # bf16 matmuls with fp32 master weights: ~2.5x faster on CPUs with AVX512-BF16 or AMX
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.autocast):
-            loss, _, _ = ttt_forward(self.draft, self.lm_head, batch, self.cfg.ttt_steps, self.cfg.step_weight)
+            loss, _, _ = ttt_forward(
+                self.draft, self.lm_head, batch, self.cfg.ttt_steps, self.cfg.step_weight
+            )
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(self.draft.parameters(), 0.5)
@@ -182,7 +198,9 @@ class Trainer:
         losses, corrects, valids = [], [], []
         for i in range(0, len(examples), self.cfg.batch_size):
             batch = collate(examples[i : i + self.cfg.batch_size], 10**9)
-            loss, c, v = ttt_forward(self.draft, self.lm_head, batch, self.cfg.ttt_steps, self.cfg.step_weight)
+            loss, c, v = ttt_forward(
+                self.draft, self.lm_head, batch, self.cfg.ttt_steps, self.cfg.step_weight
+            )
             losses.append(float(loss))
             corrects.append(c)
             valids.append(v)

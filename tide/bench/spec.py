@@ -21,7 +21,7 @@ from tide.models.llama import Batch
 from tide.models.loader import Target, load_target
 from tide.prompts import load_prompts, split
 from tide.serving.cost_model import measure_profile
-from tide.serving.engine import Engine, EngineConfig, TapEvent
+from tide.serving.engine import DraftStats, Engine, EngineConfig, TapEvent
 from tide.serving.sampling import SamplingParams
 
 
@@ -69,19 +69,25 @@ def _llama_cpp(path: Path, n_ctx: int) -> Any | None:
         from llama_cpp import Llama
     except ImportError:
         return None
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
+    return Llama(
+        model_path=str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), n_batch=512, verbose=False
+    )
 
 
 def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
     target = load_target(cfg.model, cfg.dtype)
-    tok = target.tokenizer
+    tok = target.tok
     chosen = split(load_prompts(cfg.prompts), cfg.part)
     prompts = [p.token_ids(tok) for p in (chosen[: cfg.limit] if cfg.limit else chosen)]
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + 8
-    draft = Eagle3Draft.load(cfg.draft, target.model.embed_tokens, target.config, target.fingerprint, cfg.dtype)
+    draft = Eagle3Draft.load(
+        cfg.draft, target.model.embed_tokens, target.config, target.fingerprint, cfg.dtype
+    )
     ecfg = EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=cfg.gamma)
     engines = {
-        "baseline": Engine(target, None, EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=0)),
+        "baseline": Engine(
+            target, None, EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=0)
+        ),
         "speculative": Engine(target, draft, ecfg),
         "speculative_tap": Engine(target, draft, ecfg, tap=_noop_tap),
     }
@@ -93,7 +99,7 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
     for eng in engines.values():
         eng.generate(groups[0][:1], SamplingParams(max_tokens=8))
     for name in ("speculative", "speculative_tap"):
-        engines[name].stats.__init__(engines[name].cfg.max_gamma)  # type: ignore[misc]
+        engines[name].stats = DraftStats(engines[name].cfg.max_gamma)
         engines[name].tap_seconds = 0.0
 
     results = {name: ModeResult() for name in engines}
@@ -107,10 +113,10 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         order = modes[gi % len(modes) :] + modes[: gi % len(modes)]
         for name in order:
             start = time.perf_counter()
-            if name == "llama_cpp":
+            if name == "llama_cpp" and llama is not None:
                 n = 0
                 for p in group:
-                    res = llama.create_completion(prompt=p, max_tokens=cfg.max_new_tokens, temperature=0.0)  # type: ignore[union-attr]
+                    res = llama.create_completion(prompt=p, max_tokens=cfg.max_new_tokens, temperature=0.0)
                     n += int(res["usage"]["completion_tokens"])
                 per_group[name] = ModeResult(n, time.perf_counter() - start)
             else:
@@ -143,7 +149,11 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         "max_new_tokens": cfg.max_new_tokens,
         "threads": torch.get_num_threads(),
         "draft_version": draft.cfg.version,
-        "baseline": {"tokens_per_s": base_tps, "tokens": results["baseline"].tokens, "seconds": results["baseline"].seconds},
+        "baseline": {
+            "tokens_per_s": base_tps,
+            "tokens": results["baseline"].tokens,
+            "seconds": results["baseline"].seconds,
+        },
         "speculative": {
             "tokens_per_s": results["speculative"].tokens_per_s,
             "tokens": results["speculative"].tokens,
@@ -154,7 +164,11 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         "speedup": results["speculative"].tokens_per_s / base_tps,
         "speedup_median_over_batches": statistics.median(group_speedups),
         "predicted_speedup": profile.speedup(alphas, cfg.gamma),
-        "step_profile": {"target_step_s": profile.target, "draft_step_s": profile.draft_step, "context": context},
+        "step_profile": {
+            "target_step_s": profile.target,
+            "draft_step_s": profile.draft_step,
+            "context": context,
+        },
         "greedy_match_rate": sum(matches) / len(matches),
         "greedy_identical": all(matches),
         "divergence_top2_logit_gaps": gaps,
@@ -163,5 +177,8 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         "tap_throughput_ratio": results["speculative_tap"].tokens_per_s / results["speculative"].tokens_per_s,
     }
     if llama is not None:
-        report["llama_cpp"] = {"tokens_per_s": results["llama_cpp"].tokens_per_s, "tokens": results["llama_cpp"].tokens}
+        report["llama_cpp"] = {
+            "tokens_per_s": results["llama_cpp"].tokens_per_s,
+            "tokens": results["llama_cpp"].tokens,
+        }
     return report

@@ -126,6 +126,9 @@ class DraftKV:
 
 
 class Eagle3Draft(nn.Module):
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
     def __init__(self, cfg: DraftConfig, embed: nn.Embedding):
         super().__init__()
         self.cfg = cfg
@@ -163,7 +166,9 @@ class Eagle3Draft(nn.Module):
         shape = (slots, c.num_kv_heads, capacity, c.head_dim)
         return DraftKV(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
 
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, batch: Batch, cache: DraftKV) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, batch: Batch, cache: DraftKV
+    ) -> torch.Tensor:
         """hidden (B, T, d): fc(aux) or the previous step's output; tokens (B, T): the next tokens."""
         layer = self.midlayer
         x = layer.attn_input(self.embed(tokens).to(hidden.dtype), hidden)
@@ -177,7 +182,9 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(out)).float()
 
     # -- training: training-time test, k unrolled steps ------------------------------------------
-    def unrolled(self, aux: torch.Tensor, tokens: list[torch.Tensor], positions: torch.Tensor) -> list[torch.Tensor]:
+    def unrolled(
+        self, aux: torch.Tensor, tokens: list[torch.Tensor], positions: torch.Tensor
+    ) -> list[torch.Tensor]:
         """Run len(tokens) draft steps over whole sequences as inference would see them.
 
         aux (B, L, 3d); tokens[i] (B, L): the token fed at step i for anchor position t (t+1+i);
@@ -192,7 +199,7 @@ class Eagle3Draft(nn.Module):
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
-        scale = layer.self_attn.hd ** -0.5
+        scale = layer.self_attn.hd**-0.5
         for i, tok in enumerate(tokens):
             x = layer.attn_input(self.embed(tok).to(hidden.dtype), hidden)
             rope = self.rope(torch.clamp(positions + i, max=self.cfg.max_position - 1), x.dtype)

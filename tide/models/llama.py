@@ -40,7 +40,9 @@ class LlamaConfig:
     def aux_layer_ids(self) -> tuple[int, int, int]:
         """Residual stream taken *before* these decoder layers (vLLM's numbering; SGLang's is one lower)."""
         n = self.num_layers
-        low, mid, high = sorted(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))  # clamped for tiny test models
+        low, mid, high = sorted(
+            min(max(i, 0), n - 1) for i in (2, n // 2, n - 3)
+        )  # clamped for tiny test models
         return (low, mid, high)
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,6 +77,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 class Rope(nn.Module):
     """Rotary embedding (rotate-half layout) with a precomputed cos/sin table indexed by position."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int):
         super().__init__()
@@ -146,7 +151,7 @@ class Batch:
     def make(cls, slot0: int, positions: torch.Tensor, valid: torch.Tensor | None, capacity: int) -> Batch:
         kv_len = int(positions.max().item()) + 1
         keys = torch.arange(kv_len)
-        mask = (keys.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1))
+        mask = keys.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)
         write = positions if valid is None else torch.where(valid, positions, capacity - 1)
         return cls(slot0, positions, write, mask, kv_len)
 

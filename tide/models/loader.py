@@ -50,6 +50,12 @@ class Target:
     def config(self) -> LlamaConfig:
         return self.model.cfg
 
+    @property
+    def tok(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ModelLoadError("this target was built without a tokenizer")
+        return self.tokenizer
+
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
@@ -85,7 +91,10 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     head_dim = int(field("attention.key_length", hidden // heads))
     scaling = None
     if field("rope.scaling.type") is not None:
-        scaling = {"rope_type": field("rope.scaling.type"), "factor": float(field("rope.scaling.factor", 1.0))}
+        scaling = {
+            "rope_type": field("rope.scaling.type"),
+            "factor": float(field("rope.scaling.factor", 1.0)),
+        }
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     cfg = LlamaConfig(
         vocab_size=vocab,
@@ -197,20 +206,29 @@ def build_model(cfg: LlamaConfig, weights: dict[str, np.ndarray]) -> LlamaModel:
             raise ModelLoadError(f"weight {name} is missing")
         return torch.from_numpy(np.array(weights[name], dtype=np.float32))
 
-    sd: dict[str, torch.Tensor] = {"embed_tokens.weight": t("model.embed_tokens.weight"), "norm.weight": t("model.norm.weight")}
+    sd: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": t("model.embed_tokens.weight"),
+        "norm.weight": t("model.norm.weight"),
+    }
     if not cfg.tie_embeddings:
         sd["lm_head.weight"] = t("lm_head.weight")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         q = f"{p}self_attn."
-        sd[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat([t(q + "q_proj.weight"), t(q + "k_proj.weight"), t(q + "v_proj.weight")])
+        sd[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            [t(q + "q_proj.weight"), t(q + "k_proj.weight"), t(q + "v_proj.weight")]
+        )
         if cfg.attention_bias:
-            sd[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([t(q + "q_proj.bias"), t(q + "k_proj.bias"), t(q + "v_proj.bias")])
+            sd[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                [t(q + "q_proj.bias"), t(q + "k_proj.bias"), t(q + "v_proj.bias")]
+            )
         if cfg.qk_norm:
             sd[f"layers.{i}.self_attn.q_norm.weight"] = t(q + "q_norm.weight")
             sd[f"layers.{i}.self_attn.k_norm.weight"] = t(q + "k_norm.weight")
         sd[f"layers.{i}.self_attn.o_proj.weight"] = t(q + "o_proj.weight")
-        sd[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])
+        sd[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+            [t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]
+        )
         sd[f"layers.{i}.mlp.down_proj.weight"] = t(p + "mlp.down_proj.weight")
         sd[f"layers.{i}.input_layernorm.weight"] = t(p + "input_layernorm.weight")
         sd[f"layers.{i}.post_attention_layernorm.weight"] = t(p + "post_attention_layernorm.weight")

@@ -31,7 +31,7 @@ class Tokenizer:
 
     @property
     def eos_token_id(self) -> int | None:
-        return self.hf.eos_token_id  # type: ignore[no-any-return]
+        return self.hf.eos_token_id
 
     def vocab(self) -> dict[str, int]:
         return dict(self.hf.get_vocab())

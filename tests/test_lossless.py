@@ -1,0 +1,61 @@
+"""On the default model in fp32: greedy output with speculation equals greedy output without it."""
+
+from __future__ import annotations
+
+import torch
+
+from tide.prompts import load_prompts, split
+from tide.serving.engine import Engine, EngineConfig
+from tide.serving.sampling import SamplingParams
+
+from .conftest import WORKLOADS
+
+
+def _prompts(target, n: int) -> list[list[int]]:
+    items = []
+    for name in ("code", "chat_en", "math", "chat_fr"):
+        items += split(load_prompts(WORKLOADS / f"{name}.jsonl"), "test")[: n // 4]
+    return [p.token_ids(target.tokenizer) for p in items]
+
+
+def test_greedy_speculation_is_token_identical_in_fp32(target_fp32, trained_draft_dir) -> None:
+    prompts = _prompts(target_fp32, 16)
+    params = SamplingParams(max_tokens=24)
+    base = Engine(target_fp32, None, EngineConfig(max_batch=16, max_model_len=256, gamma=0))
+    ref = [s.output for s in base.generate(prompts, params)]
+    accepted = 0
+    for batch in (1, 4, 16):
+        for gamma in range(1, 6):
+            engine = Engine(target_fp32, None, EngineConfig(max_batch=batch, max_model_len=256, gamma=gamma))
+            engine.load_draft(trained_draft_dir)
+            out = [s.output for s in engine.generate(prompts, params)]
+            mismatched = [i for i, (a, b) in enumerate(zip(ref, out, strict=True)) if a != b]
+            assert not mismatched, f"batch {batch}, gamma {gamma}: prompts {mismatched} differ"
+            accepted += int(engine.stats.accepted.sum())
+    assert accepted > 0  # the trained draft was right often enough to exercise multi-token acceptance
+
+
+def test_sampled_speculation_runs_on_the_default_model(target_bf16, trained_draft_dir) -> None:
+    """bf16, sampling, stop strings and max_tokens inside accepted bursts: well-formed results."""
+    prompts = _prompts(target_bf16, 8)
+    engine = Engine(target_bf16, None, EngineConfig(max_batch=4, max_model_len=256, gamma=4))
+    engine.load_draft(trained_draft_dir)
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=i, max_tokens=5 + i) for i in range(8)]
+    seqs = engine.generate(prompts, params)
+    for s, p in zip(seqs, params, strict=True):
+        assert 1 <= len(s.output) <= p.max_tokens
+        assert s.finish_reason in ("stop", "length")
+        assert all(0 <= t < target_bf16.config.vocab_size for t in s.output)
+    # a stop string ends the output right before it, wherever in a burst it falls
+    tok = target_bf16.tokenizer
+    ref = Engine(target_bf16, None, EngineConfig(max_batch=1, max_model_len=256, gamma=0)).generate(
+        prompts[:1], SamplingParams(max_tokens=40)
+    )[0]
+    text = tok.decode(ref.output)
+    stop = text[10:14]
+    engine2 = Engine(target_bf16, None, EngineConfig(max_batch=1, max_model_len=256, gamma=4))
+    engine2.load_draft(trained_draft_dir)
+    s = engine2.generate(prompts[:1], SamplingParams(max_tokens=40, stop=(stop,)))[0]
+    assert s.finish_reason == "stop"
+    assert s.stop_text == text[: text.find(stop)]
+    assert torch.is_tensor(engine2.stats.attempted)
