@@ -7,6 +7,7 @@ await their tokens through asyncio queues fed thread-safely from the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -134,14 +135,16 @@ def build_app(model: str | None, draft: str | None, dtype: torch.dtype, cfg: Eng
 
 
 def make_app(target: Target, engine: Engine) -> FastAPI:
-    app = FastAPI(title="TIDE")
     loop = EngineLoop(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        loop.stop()
+
+    app = FastAPI(title="TIDE", lifespan=lifespan)
     app.state.engine_loop = loop
     tok = target.tok
-
-    @app.on_event("shutdown")
-    def _shutdown() -> None:
-        loop.stop()
 
     @app.get("/health")
     def health() -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tide.models.eagle3 import Eagle3Draft
+from tide.models.eagle3 import DraftKV, Eagle3Draft
 from tide.models.llama import Batch
 from tide.models.loader import Target
 from tide.models.packing import pack_linears
@@ -133,11 +133,13 @@ class Engine:
         self.stats = DraftStats(cfg.max_gamma)
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._next_draft: Eagle3Draft | None = None
+        self._pending: tuple[Eagle3Draft | None, DraftKV | None] | None = None  # next draft and its cache
         self.tap_seconds = 0.0  # time spent handing hidden states out (benchmarks report it)
         self.draft: Eagle3Draft | None = None
+        self.dcache: DraftKV | None = None
         if draft is not None:
-            self._install_draft(draft)
+            self.set_draft(draft)
+            self._swap_if_pending()
 
     # -- requests ---------------------------------------------------------------------------------
     def add(
@@ -186,25 +188,32 @@ class Engine:
         draft = Eagle3Draft.load(
             path, self.model.embed_tokens, self.model.cfg, self.target.fingerprint, self.dtype
         )
-        with self._lock:
-            self._next_draft = draft
+        self.set_draft(draft)
         return draft
 
     def set_draft(self, draft: Eagle3Draft | None) -> None:
+        """Queue a draft (None: stop speculating). The engine takes it over (its linears get prepacked)."""
+        cache = None
+        if draft is not None:
+            # the slow parts happen here, off the engine's thread: weight packing, cache allocation
+            pack_linears(draft)
+            cache = draft.new_cache(self.cfg.max_batch, self.capacity, self.dtype)
         with self._lock:
-            self._next_draft = draft
-            if draft is None:
-                self.draft = None
+            self._pending = (draft, cache)
 
     @property
     def draft_version(self) -> str:
         return self.draft.cfg.version if self.draft is not None else "none"
 
-    def _install_draft(self, draft: Eagle3Draft) -> None:
-        pack_linears(draft)
-        self.draft = draft
-        self.dcache = draft.new_cache(self.cfg.max_batch, self.capacity, self.dtype)
-        self._draft_ids = draft.target_ids()
+    def _swap_if_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self.draft, self.dcache = pending
+        if self.draft is None:
+            return
+        self._draft_ids = self.draft.target_ids()
         # the new draft's cache is empty: rebuild it from the stored aux states of running sequences
         for seq in self.running:
             self.draft_lengths[seq.slot] = 0
@@ -212,7 +221,7 @@ class Engine:
 
     def _sync_draft(self, slot: int) -> None:
         """Bring one sequence's draft cache up to its last committed position but one."""
-        assert self.draft is not None
+        assert self.draft is not None and self.dcache is not None
         start, end = int(self.draft_lengths[slot]), int(self.lengths[slot]) - 1
         if end <= start:
             return
@@ -225,10 +234,7 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        with self._lock:
-            if self._next_draft is not None:
-                self._install_draft(self._next_draft)
-                self._next_draft = None
+        self._swap_if_pending()
         outputs: list[StepOutput] = []
         self._drop_finished()
         while self.waiting and len(self.running) < self.cfg.max_batch:
@@ -290,7 +296,7 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chain-draft gamma tokens per sequence: (B, gamma) target ids, and q (B, gamma, V) when sampling."""
         draft = self.draft
-        assert draft is not None
+        assert draft is not None and self.dcache is not None
         gamma = self.cfg.gamma
         bsz = len(seqs)
         rows = torch.arange(bsz)
@@ -458,7 +464,7 @@ class Engine:
     def _move(self, src: int, dst: int) -> None:
         n = int(self.lengths[src]) + 1
         self.cache.move_slot(src, dst, n)
-        if self.draft is not None:
+        if self.dcache is not None:
             m = int(self.draft_lengths[src])
             self.dcache.k[dst, :, :m] = self.dcache.k[src, :, :m]
             self.dcache.v[dst, :, :m] = self.dcache.v[src, :, :m]

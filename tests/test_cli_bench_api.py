@@ -19,11 +19,21 @@ def test_bench_spec_report(trained_draft_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     args = ["bench", "spec", "--prompts", str(WORKLOADS / "code.jsonl"), "--draft", str(trained_draft_dir),
             "--max-new-tokens", "24", "--batch-size", "2", "--limit", "4", "--gamma", "3", "--no-llama-cpp",
-            "--out", str(out)]  # fmt: skip
+            "--out", str(out), "--plot", str(tmp_path / "spec.png")]  # fmt: skip
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     r = json.loads(out.read_text())
-    for key in ("speedup", "predicted_speedup", "greedy_match_rate", "greedy_identical", "tap_overhead", "dtype", "batch_size", "gamma"):
+    assert (tmp_path / "spec.png").stat().st_size > 1000
+    for key in (
+        "speedup",
+        "predicted_speedup",
+        "greedy_match_rate",
+        "greedy_identical",
+        "tap_overhead",
+        "dtype",
+        "batch_size",
+        "gamma",
+    ):
         assert key in r, key
     assert r["baseline"]["tokens_per_s"] > 0 and r["speculative"]["tokens_per_s"] > 0
     assert len(r["speculative"]["accept_rate_by_depth"]) == 3
@@ -38,7 +48,12 @@ def test_http_api_answers_and_refuses_nonsense(target_bf16, trained_draft_dir: P
     engine.load_draft(trained_draft_dir)
     with TestClient(make_app(target_bf16, engine)) as client:
         assert client.get("/health").json()["status"] == "ok"
-        body = {"model": "tide", "messages": [{"role": "user", "content": "Say hello in French."}], "max_tokens": 12, "temperature": 0}
+        body = {
+            "model": "tide",
+            "messages": [{"role": "user", "content": "Say hello in French."}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         data = r.json()
@@ -50,7 +65,10 @@ def test_http_api_answers_and_refuses_nonsense(target_bf16, trained_draft_dir: P
                     delta = json.loads(line[6:])["choices"][0]["delta"]
                     streamed += delta.get("content", "")
         assert streamed == data["choices"][0]["message"]["content"]
-        r = client.post("/v1/completions", json={"model": "tide", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0})
+        r = client.post(
+            "/v1/completions",
+            json={"model": "tide", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
         assert client.post("/v1/chat/completions", content=b"{nope").status_code == 400
         assert client.post("/v1/chat/completions", json={**body, "model": "gpt-9"}).status_code == 404

@@ -46,8 +46,11 @@ def draft_train(
         None, "--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"
     ),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-    draft_vocab: int = typer.Option(8192, "--draft-vocab"),
+    draft_vocab: int = typer.Option(4096, "--draft-vocab"),
     limit: int = typer.Option(0, "--limit", help="use at most this many prompts per file (0: all)"),
+    data: Path | None = typer.Option(
+        None, "--data", help="save the collected hidden states here, or reuse them if present"
+    ),
 ) -> None:
     """The target answers the prompts, the tap captures hidden states, and an EAGLE-3 head is trained."""
     from tide.models.loader import load_target
@@ -62,7 +65,7 @@ def draft_train(
     cfg = BootstrapConfig(
         budget_minutes=budget_minutes, max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab
     )
-    report = bootstrap(target, _interleave(items, len(prompts)), out, cfg)
+    report = bootstrap(target, _interleave(items, len(prompts)), out, cfg, data)
     last = report["history"][-1] if report["history"] else {}
     typer.echo(
         json.dumps(
@@ -156,12 +159,13 @@ def bench_spec(
     limit: int = typer.Option(16, "--limit", help="prompts to run (0: all)"),
     model: str | None = typer.Option(None, "--model"),
     out: Path = typer.Option(Path("out/bench_spec.json"), "--out"),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG: throughput and acceptance by depth"),
     llama_cpp: bool = typer.Option(
         True, "--llama-cpp/--no-llama-cpp", help="also time llama.cpp when installed"
     ),
 ) -> None:
     """Speculation off and on (and with a no-op tap), interleaved in one process."""
-    from tide.bench.spec import SpecBenchConfig, run_spec_bench
+    from tide.bench.spec import SpecBenchConfig, plot_spec_report, run_spec_bench
 
     cfg = SpecBenchConfig(
         prompts, draft, max_new_tokens, batch_size, parse_dtype(dtype), gamma, part, limit, model, llama_cpp
@@ -173,6 +177,9 @@ def bench_spec(
     summary["baseline_tps"] = report["baseline"]["tokens_per_s"]
     summary["speculative_tps"] = report["speculative"]["tokens_per_s"]
     typer.echo(json.dumps(summary, indent=2))
+    if plot is not None:
+        plot_spec_report(report, plot)
+        typer.echo(f"plot: {plot}")
     typer.echo(f"report: {out}")
 
 

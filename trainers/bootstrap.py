@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from tide.models.eagle3 import DraftConfig, Eagle3Draft
@@ -26,11 +27,11 @@ from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, init_draft
 class BootstrapConfig:
     budget_minutes: float = 10.0
     max_new_tokens: int = 256
-    draft_vocab_size: int = 8192
+    draft_vocab_size: int = 4096
     gen_batch: int = 16
     gen_fraction: float = 0.45  # at most this share of the budget goes to generating data
     eval_fraction: float = 0.1
-    eval_every: int = 50
+    eval_every: int = 200
     temperature: float = 0.0
     train: TrainConfig | None = None
 
@@ -138,10 +139,42 @@ def train(
     return draft.eval(), history
 
 
-def bootstrap(target: Target, prompts: list[Prompt], out: Path, cfg: BootstrapConfig) -> dict[str, object]:
+def save_examples(examples: list[Example], path: Path) -> None:
+    """Keep collected hidden states (bf16 safetensors) so training can be rerun without the target."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, ex in enumerate(examples):
+        tensors[f"{i}.tokens"] = ex.tokens
+        tensors[f"{i}.aux"] = ex.aux.to(torch.bfloat16).contiguous()
+        tensors[f"{i}.hidden"] = ex.hidden.to(torch.bfloat16).contiguous()
+        tensors[f"{i}.best"] = ex.best
+        tensors[f"{i}.learn_from"] = torch.tensor([ex.learn_from])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"examples": str(len(examples))})
+
+
+def load_examples(path: Path) -> list[Example]:
+    t = load_file(str(path))
+    n = len({k.split(".")[0] for k in t})
+    return [
+        Example(
+            t[f"{i}.tokens"], t[f"{i}.aux"], t[f"{i}.hidden"], t[f"{i}.best"], int(t[f"{i}.learn_from"][0])
+        )
+        for i in range(n)
+    ]
+
+
+def bootstrap(
+    target: Target, prompts: list[Prompt], out: Path, cfg: BootstrapConfig, data: Path | None = None
+) -> dict[str, object]:
+    """Collect (or reuse the hidden states saved at `data`), train within the budget, save the draft."""
     start = time.monotonic()
     budget = cfg.budget_minutes * 60
-    examples = collect(target, prompts, cfg, start + budget * cfg.gen_fraction)
+    if data is not None and data.exists():
+        examples = load_examples(data)
+    else:
+        examples = collect(target, prompts, cfg, start + budget * cfg.gen_fraction)
+        if data is not None:
+            save_examples(examples, data)
     if not examples:
         raise RuntimeError("no training data was collected: budget too small?")
     tokens = sum(len(e.tokens) for e in examples)

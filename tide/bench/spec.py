@@ -182,3 +182,33 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
             "tokens": results["llama_cpp"].tokens,
         }
     return report
+
+
+def plot_spec_report(report: dict[str, Any], path: Path) -> None:
+    """Throughput per system and acceptance by draft depth, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    names = ["no speculation", "TIDE speculative"]
+    values = [report["baseline"]["tokens_per_s"], report["speculative"]["tokens_per_s"]]
+    if "llama_cpp" in report:
+        names.append("llama.cpp")
+        values.append(report["llama_cpp"]["tokens_per_s"])
+    bars = ax1.bar(names, values, color=["#888", "#2a7", "#47a"][: len(names)])
+    ax1.bar_label(bars, fmt="%.0f")
+    ax1.set_ylabel("tokens/s")
+    ax1.set_title(
+        f"batch {report['batch_size']}, {report['dtype']}, gamma {report['gamma']}: {report['speedup']:.2f}x"
+    )
+    rates = report["speculative"]["accept_rate_by_depth"]
+    ax2.bar([str(i + 1) for i in range(len(rates))], rates, color="#2a7")
+    ax2.set_ylim(0, 1)
+    ax2.set_xlabel("draft depth")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_title(f"mean accepted length {report['speculative']['mean_accept_length']:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
