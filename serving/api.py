@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from tide.config import default_draft_dir
+from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.serving.engine import Engine, EngineConfig, Sequence
 from tide.serving.sampling import SamplingParams
@@ -124,14 +126,16 @@ def _error(
 
 def build_app(model: str | None, draft: str | None, dtype: torch.dtype, cfg: EngineConfig) -> FastAPI:
     target = load_target(model, dtype)
-    engine = Engine(target, None, cfg)
-    draft_dir = draft or default_draft_dir(target.fingerprint)
-    if cfg.gamma > 0 and (draft or (default_draft_dir(target.fingerprint) / "model.safetensors").exists()):
-        engine.load_draft(draft_dir)
-        log.info("draft loaded from %s", draft_dir)
+    draft_dir = Path(draft) if draft else default_draft_dir(target.fingerprint)
+    head = None
+    if cfg.gamma > 0 and (draft or (draft_dir / "model.safetensors").exists()):
+        head = Eagle3Draft.load(
+            draft_dir, target.model.embed_tokens, target.config, target.fingerprint, dtype
+        )
+        log.info("draft %s loaded from %s", head.cfg.version, draft_dir)
     else:
         log.warning("no draft: serving without speculation (train one with `tide draft ensure-default`)")
-    return make_app(target, engine)
+    return make_app(target, Engine(target, head, cfg))
 
 
 def make_app(target: Target, engine: Engine) -> FastAPI:
