@@ -32,14 +32,19 @@ class StepProfile:
     batch_size: int
     target: dict[int, float]
     draft_step: float
+    # what an engine step costs beyond the target forward (sampling, bookkeeping), and the measured
+    # cost of drafting gamma tokens the way the engine does it (catch-up + chain); 0 / None: unknown
+    overhead: float = 0.0
+    draft_total: float | None = None
 
     def speedup(self, alphas: list[float], gamma: int) -> float:
         if gamma == 0:
             return 1.0
-        t1 = self.target[1]
-        c = self.draft_step / t1
-        beta = self.target[gamma + 1] / t1
-        return expected_tokens(alphas, gamma) / (c * gamma + beta)
+        t1 = self.target[1] + self.overhead
+        draft = self.draft_total if self.draft_total is not None else self.draft_step * gamma
+        c_gamma = draft / t1
+        beta = (self.target[gamma + 1] + self.overhead) / t1
+        return expected_tokens(alphas, gamma) / (c_gamma + beta)
 
     def best_gamma(self, alphas: list[float], max_gamma: int) -> int:
         return max(range(max_gamma + 1), key=lambda g: self.speedup(alphas, g) if g <= len(alphas) else 0.0)

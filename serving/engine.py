@@ -107,6 +107,21 @@ class DraftStats:
         return self.emitted / self.steps if self.steps else 0.0
 
 
+@dataclass
+class StepTiming:
+    decode_steps: int = 0
+    decode_seconds: float = 0.0  # whole decode steps (draft + verify + bookkeeping)
+    propose_seconds: float = 0.0  # drafting only
+
+    @property
+    def step(self) -> float:
+        return self.decode_seconds / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def propose(self) -> float:
+        return self.propose_seconds / self.decode_steps if self.decode_steps else 0.0
+
+
 class Engine:
     def __init__(
         self, target: Target, draft: Eagle3Draft | None, cfg: EngineConfig, tap: TapCallback | None = None
@@ -135,6 +150,7 @@ class Engine:
         self._lock = threading.Lock()
         self._pending: tuple[Eagle3Draft | None, DraftKV | None] | None = None  # next draft and its cache
         self.tap_seconds = 0.0  # time spent handing hidden states out (benchmarks report it)
+        self.timing = StepTiming()  # measured while serving: what the cost model needs
         self.draft: Eagle3Draft | None = None
         self.dcache: DraftKV | None = None
         if draft is not None:
@@ -334,6 +350,7 @@ class Engine:
         return tokens, (torch.stack(qs, 1) if qs else None)
 
     def _decode(self) -> list[StepOutput]:
+        start = time.perf_counter()
         seqs = self.running
         bsz = len(seqs)
         rows = torch.arange(bsz)
@@ -343,6 +360,7 @@ class Engine:
         lengths = self.lengths[:bsz].clone()
         if gamma > 0:
             drafted, q = self._propose(seqs, s, u)
+            self.timing.propose_seconds += time.perf_counter() - start
         else:
             drafted, q = torch.zeros(bsz, 0, dtype=torch.long), None
         inp = torch.cat([self.tokens[rows, lengths].unsqueeze(1), drafted], 1)
@@ -361,6 +379,8 @@ class Engine:
         if self.tap is not None:
             self._emit_tap(seqs, inp, out.aux, out.hidden, lengths, acc)
         new_tokens = verdict.tokens.tolist()
+        self.timing.decode_steps += 1
+        self.timing.decode_seconds += time.perf_counter() - start
         results = []
         for i, (seq, n) in enumerate(zip(seqs, acc.tolist(), strict=True)):
             seq.steps += 1
