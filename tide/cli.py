@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -21,6 +23,20 @@ app.add_typer(bench_app, name="bench")
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"
 DEFAULT_WORKLOADS = ("chat_en", "code", "math", "chat_fr")
+
+
+@contextlib.contextmanager
+def _clear_errors() -> Iterator[None]:
+    """Bad input (a prompt file, a model, a draft) ends the command with its reason, not a traceback."""
+    from tide.models.eagle3 import DraftLoadError, DraftMismatchError
+    from tide.models.loader import ModelLoadError
+    from tide.prompts import PromptFileError
+
+    try:
+        yield
+    except (PromptFileError, ModelLoadError, DraftLoadError, DraftMismatchError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -57,11 +73,12 @@ def draft_train(
     from tide.prompts import load_prompts, split
     from tide.trainers.bootstrap import BootstrapConfig, bootstrap
 
-    target = load_target(model, parse_dtype("bfloat16"))
-    items = []
-    for f in prompts:
-        chosen = split(load_prompts(f), part)
-        items += chosen[:limit] if limit else chosen
+    with _clear_errors():
+        items = []
+        for f in prompts:
+            chosen = split(load_prompts(f), part)
+            items += chosen[:limit] if limit else chosen
+        target = load_target(model, parse_dtype("bfloat16"))
     cfg = BootstrapConfig(
         budget_minutes=budget_minutes, max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab
     )
@@ -138,12 +155,13 @@ def serve(
     from tide.serving.engine import EngineConfig
 
     _setup_logging(verbose)
-    api = build_app(
-        model,
-        draft,
-        parse_dtype(dtype),
-        EngineConfig(max_batch=max_batch, max_model_len=max_model_len, gamma=gamma),
-    )
+    with _clear_errors():
+        api = build_app(
+            model,
+            draft,
+            parse_dtype(dtype),
+            EngineConfig(max_batch=max_batch, max_model_len=max_model_len, gamma=gamma),
+        )
     uvicorn.run(api, host=host, port=port, log_level="info")
 
 
@@ -170,7 +188,8 @@ def bench_spec(
     cfg = SpecBenchConfig(
         prompts, draft, max_new_tokens, batch_size, parse_dtype(dtype), gamma, part, limit, model, llama_cpp
     )
-    report = run_spec_bench(cfg)
+    with _clear_errors():
+        report = run_spec_bench(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     summary = {k: report[k] for k in ("speedup", "predicted_speedup", "greedy_match_rate", "tap_overhead")}
