@@ -46,9 +46,6 @@ class StepProfile:
         beta = (self.target[gamma + 1] + self.overhead) / t1
         return expected_tokens(alphas, gamma) / (c_gamma + beta)
 
-    def best_gamma(self, alphas: list[float], max_gamma: int) -> int:
-        return max(range(max_gamma + 1), key=lambda g: self.speedup(alphas, g) if g <= len(alphas) else 0.0)
-
 
 def _median_time(fn: object, repeats: int) -> float:
     times = []

@@ -49,7 +49,7 @@ class DraftConfig:
     aux_layer_ids: list[int]  # vLLM numbering: residual stream *before* these target layers
     target_fingerprint: str
     version: str = "untrained"
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance kept with the draft
 
     @classmethod
     def for_target(cls, cfg: LlamaConfig, fingerprint: str, draft_vocab_size: int) -> DraftConfig:

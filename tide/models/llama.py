@@ -128,10 +128,6 @@ class KVCache:
         shape = (layers, slots, kv_heads, capacity, head_dim)
         return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
 
-    @property
-    def capacity(self) -> int:
-        return int(self.k.shape[3])
-
     def move_slot(self, src: int, dst: int, length: int) -> None:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
