@@ -12,11 +12,8 @@ from tide.models.loader import build_model, read_hf_folder
 
 
 def _our_logits(model, ids: list[int]) -> torch.Tensor:
-    cache = model.new_cache(1, len(ids) + 1)
-    pos = torch.arange(len(ids)).unsqueeze(0)
     with torch.inference_mode():
-        out = model(torch.tensor([ids]), Batch.make(0, pos, None, len(ids) + 1), cache, False)
-        return model.logits(out.hidden)[0]
+        return model.logits(model.forward_once(torch.tensor([ids])).hidden)[0]
 
 
 def test_default_model_matches_transformers(target_fp32) -> None:

@@ -5,18 +5,14 @@ from __future__ import annotations
 import torch
 
 from tests.conftest import tiny_draft, tiny_target, trained_tiny_draft
-from tide.models.llama import Batch
 from tide.serving.engine import Engine, EngineConfig, TapEvent
 from tide.serving.sampling import SamplingParams
 
 
 def _next_probs(model, seqs: torch.Tensor, temperature: float) -> torch.Tensor:
     """Distribution of the next token after each row of `seqs` (all the same length), by one forward."""
-    n, length = seqs.shape
-    cache = model.new_cache(n, length + 1)
-    pos = torch.arange(length).repeat(n, 1)
     with torch.inference_mode():
-        out = model(seqs, Batch.make(0, pos, None, length + 1), cache, False)
+        out = model.forward_once(seqs)
         return (model.logits(out.hidden[:, -1]) / temperature).softmax(-1).double()
 
 
@@ -118,15 +114,8 @@ def test_tap_hands_out_exactly_the_committed_positions() -> None:
         assert tokens.tolist() == full[: len(tokens)]
         assert len(tokens) >= len(full) - 1 - 3  # at most the last step's tokens are not yet committed
         # the states equal a fresh forward over the same tokens: no extra pass was needed to get them
-        model = target.model
-        cache = model.new_cache(1, len(tokens) + 1)
-        with torch.inference_mode():
-            ref = model(
-                tokens.unsqueeze(0),
-                Batch.make(0, torch.arange(len(tokens)).unsqueeze(0), None, len(tokens) + 1),
-                cache,
-                True,
-            )
+        ref = target.model.forward_once(tokens.unsqueeze(0), capture_aux=True)
+        assert ref.aux is not None
         assert torch.allclose(torch.cat([e.aux for e in evs]), ref.aux[0], atol=1e-5)
         assert torch.allclose(torch.cat([e.hidden for e in evs]), ref.hidden[0], atol=1e-5)
         assert evs[0].aux.shape[-1] == 3 * target.config.hidden_size

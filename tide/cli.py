@@ -8,6 +8,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 import typer
 
 from tide.config import default_draft_dir, parse_dtype
@@ -37,6 +38,13 @@ def _clear_errors() -> Iterator[None]:
     except (PromptFileError, ModelLoadError, DraftLoadError, DraftMismatchError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return parse_dtype(name)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--dtype") from None
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -159,7 +167,7 @@ def serve(
         api = build_app(
             model,
             draft,
-            parse_dtype(dtype),
+            _dtype(dtype),
             EngineConfig(max_batch=max_batch, max_model_len=max_model_len, gamma=gamma),
         )
     uvicorn.run(api, host=host, port=port, log_level="info")
@@ -186,7 +194,7 @@ def bench_spec(
     from tide.bench.spec import SpecBenchConfig, plot_spec_report, run_spec_bench
 
     cfg = SpecBenchConfig(
-        prompts, draft, max_new_tokens, batch_size, parse_dtype(dtype), gamma, part, limit, model, llama_cpp
+        prompts, draft, max_new_tokens, batch_size, _dtype(dtype), gamma, part, limit, model, llama_cpp
     )
     with _clear_errors():
         report = run_spec_bench(cfg)

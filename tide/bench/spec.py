@@ -17,7 +17,6 @@ import torch
 from tqdm import tqdm
 
 from tide.models.eagle3 import Eagle3Draft
-from tide.models.llama import Batch
 from tide.models.loader import Target, load_target
 from tide.prompts import load_prompts, split
 from tide.serving.cost_model import measure_profile
@@ -56,11 +55,8 @@ def _noop_tap(ev: TapEvent) -> None:
 def _top2_gap(target: Target, prefix: list[int]) -> float:
     """The reference's logit margin between its best and second-best token after `prefix`."""
     model = target.model
-    cache = model.new_cache(1, len(prefix) + 2)
-    pos = torch.arange(len(prefix)).unsqueeze(0)
     with torch.inference_mode():
-        out = model(torch.tensor([prefix]), Batch.make(0, pos, None, len(prefix) + 2), cache, False)
-        top = model.logits(out.hidden[:, -1]).topk(2, -1).values[0]
+        top = model.logits(model.forward_once(torch.tensor([prefix])).hidden[:, -1]).topk(2, -1).values[0]
     return float(top[0] - top[1])
 
 

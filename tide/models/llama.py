@@ -268,6 +268,13 @@ class LlamaModel(nn.Module):
         aux = torch.cat([taken[i] for i in self.cfg.aux_layer_ids], -1) if capture_aux else None
         return ForwardOutput(self.norm(x), aux)
 
+    @torch.inference_mode()
+    def forward_once(self, tokens: torch.Tensor, capture_aux: bool = False) -> ForwardOutput:
+        """Whole (B, T) sequences in one pass with a throwaway cache: references and evaluation."""
+        b, t = tokens.shape
+        positions = torch.arange(t).repeat(b, 1)
+        return self(tokens, Batch.make(0, positions, None, t + 1), self.new_cache(b, t + 1), capture_aux)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
