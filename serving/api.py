@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP API over the engine (FastAPI + uvicorn).
 
-The engine runs in one background thread (`EngineLoop`); request handlers enqueue sequences and
-await their tokens through asyncio queues fed thread-safely from the loop.
+`/v1/chat/completions` and `/v1/completions` (SSE streaming or not), `/v1/models`, `/health`,
+`/metrics` (Prometheus) and the admin endpoints. A request's workload comes from the
+`X-Tide-Workload` header; `X-Tide-Capture: off` keeps its hidden states out of capture. Nothing
+here logs prompt or completion text.
 """
 
 from __future__ import annotations
@@ -10,121 +12,52 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tide.config import default_draft_dir
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
+from tide.serving.admin import admin_router
+from tide.serving.capture import CapturePolicy, check_workload
 from tide.serving.engine import Engine, EngineConfig, Sequence
-from tide.serving.sampling import SamplingParams
+from tide.serving.engine_loop import Delta, EngineLoop, QueueFull
+from tide.serving.metrics import ServingMetrics
+from tide.serving.protocol import ChatRequest, CompletionRequest, describe, error_response
 
 log = logging.getLogger("tide.serving")
 MODEL_ID = "tide"
 
 
-class ChatMessage(BaseModel):
-    role: str
-    content: str
-
-
-class _Common(BaseModel):
-    model: str = MODEL_ID
-    max_tokens: int | None = Field(default=None)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    n: int = 1
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage]
-
-
-class CompletionRequest(_Common):
-    prompt: str
-
-
 @dataclass
-class _Waiter:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[tuple[list[int], bool]]
+class ServerConfig:
+    admin_token: str | None = None  # None: admin endpoints off
+    max_queue: int = 64  # requests waiting for a slot; more get 429
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 512
+    capture: CapturePolicy = field(default_factory=CapturePolicy)
 
 
-class EngineLoop:
-    """Runs engine.step() in a thread while there is work; hands tokens to waiting requests."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.waiters: dict[str, _Waiter] = {}
-        self.wake = threading.Event()
-        self.stopped = False
-        self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.thread.start()
-
-    def submit(
-        self, prompt: list[int], params: SamplingParams
-    ) -> tuple[Sequence, asyncio.Queue[tuple[list[int], bool]]]:
-        queue: asyncio.Queue[tuple[list[int], bool]] = asyncio.Queue()
-        rid = f"req-{uuid.uuid4().hex[:16]}"
-        self.waiters[rid] = _Waiter(asyncio.get_running_loop(), queue)
-        try:
-            seq = self.engine.add(prompt, params, request_id=rid)
-        except Exception:
-            self.waiters.pop(rid, None)
-            raise
-        self.wake.set()
-        return seq, queue
-
-    def _run(self) -> None:
-        while not self.stopped:
-            if not self.engine.has_work:
-                self.wake.wait(0.05)
-                self.wake.clear()
-                continue
-            try:
-                outs = self.engine.step()
-            except Exception:  # keep serving: fail the requests in flight, not the process
-                log.exception("engine step failed")
-                for seq in list(self.engine.running):
-                    self.engine.abort(seq)
-                continue
-            for out in outs:
-                w = self.waiters.get(out.seq.request_id)
-                if w is None:
-                    continue
-                w.loop.call_soon_threadsafe(w.queue.put_nowait, (out.new_tokens, out.seq.finished))
-                if out.seq.finished:
-                    self.waiters.pop(out.seq.request_id, None)
-
-    def stop(self) -> None:
-        self.stopped = True
-        self.wake.set()
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
 
-def _error(
-    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
-) -> JSONResponse:
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message, "type": kind, "param": param, "code": None}},
-    )
-
-
-def build_app(model: str | None, draft: str | None, dtype: torch.dtype, cfg: EngineConfig) -> FastAPI:
+def build_app(
+    model: str | None, draft: str | None, dtype: torch.dtype, cfg: EngineConfig, server: ServerConfig
+) -> FastAPI:
     target = load_target(model, dtype)
     draft_dir = Path(draft) if draft else default_draft_dir(target.fingerprint)
     head = None
@@ -135,11 +68,148 @@ def build_app(model: str | None, draft: str | None, dtype: torch.dtype, cfg: Eng
         log.info("draft %s loaded from %s", head.cfg.version, draft_dir)
     else:
         log.warning("no draft: serving without speculation (train one with `tide draft ensure-default`)")
-    return make_app(target, Engine(target, head, cfg))
+    return make_app(target, Engine(target, head, cfg), server)
 
 
-def make_app(target: Target, engine: Engine) -> FastAPI:
-    loop = EngineLoop(engine)
+async def _read_body(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _BadRequest(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _BadRequest(413, f"request body exceeds the limit of {limit} bytes")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise _BadRequest(400, "request body is not valid JSON") from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class Generation:
+    """One generation request, from submission until its last token (or its client leaving)."""
+
+    loop: EngineLoop
+    metrics: ServingMetrics
+    seq: Sequence
+    queue: asyncio.Queue[Delta]
+    request: Request
+    chat: bool
+    include_usage: bool
+    start: float
+    created: int = field(default_factory=lambda: int(time.time()))
+    first_token: bool = True
+
+    @property
+    def endpoint(self) -> str:
+        return "chat" if self.chat else "completions"
+
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.seq.request_id
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The request's deltas until done; cancels the request if the client disconnects."""
+        gone = asyncio.ensure_future(_disconnected(self.request))
+        try:
+            while True:
+                get = asyncio.ensure_future(self.queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    self.loop.cancel(self.seq)
+                    self.metrics.requests.labels(self.endpoint, "499").inc()
+                    return
+                delta = get.result()
+                if self.first_token and delta.completion_tokens:
+                    self.metrics.ttft.observe(time.perf_counter() - self.start)
+                    self.first_token = False
+                yield delta
+                if delta.done:
+                    status = "500" if self.seq.finish_reason == "error" else "200"
+                    self.metrics.requests.labels(self.endpoint, status).inc()
+                    self.metrics.latency.labels(self.endpoint).observe(time.perf_counter() - self.start)
+                    return
+        finally:
+            gone.cancel()
+            if not self.seq.finished:  # cancelled from outside (e.g. server shutdown)
+                self.loop.cancel(self.seq)
+
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.seq.prompt), len(self.seq.output)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def finish_reason(self) -> str:
+        return "length" if self.seq.finish_reason == "length" else "stop"
+
+    async def complete(self) -> Response:
+        text = "".join([d.text async for d in self.deltas()])
+        if not self.seq.finished or self.seq.finish_reason == "abort":
+            return Response(status_code=499)  # nobody is listening
+        if self.seq.finish_reason == "error":
+            return error_response(500, "generation failed; see the server log", "server_error")
+        if self.chat:
+            choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
+            obj = "chat.completion"
+        else:
+            choice, obj = {"text": text, "logprobs": None}, "text_completion"
+        return JSONResponse(
+            {
+                "id": self.id,
+                "object": obj,
+                "created": self.created,
+                "model": MODEL_ID,
+                "choices": [{"index": 0, **choice, "finish_reason": self.finish_reason()}],
+                "usage": self.usage(),
+            }
+        )
+
+    def event(self, delta: dict[str, Any] | None, reason: str | None, usage: bool = False) -> str:
+        choices: list[dict[str, Any]] = []
+        if delta is not None:
+            body = {"delta": delta} if self.chat else {"text": delta.get("content", ""), "logprobs": None}
+            choices.append({"index": 0, **body, "finish_reason": reason})
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": MODEL_ID,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = self.usage() if usage else None
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    async def stream(self) -> AsyncIterator[str]:
+        if self.chat:
+            yield self.event({"role": "assistant", "content": ""}, None)
+        async for d in self.deltas():
+            if d.text:
+                yield self.event({"content": d.text}, None)
+            if not d.done:
+                continue
+            if self.seq.finish_reason == "error":
+                err = {"message": "generation failed; see the server log", "type": "server_error"}
+                yield f"data: {json.dumps({'error': err})}\n\n"
+                return
+            yield self.event({}, self.finish_reason())
+            if self.include_usage:
+                yield self.event(None, None, usage=True)
+            yield "data: [DONE]\n\n"
+
+
+def make_app(target: Target, engine: Engine, server: ServerConfig | None = None) -> FastAPI:
+    server = server or ServerConfig()
+    metrics = ServingMetrics(engine)
+    loop = EngineLoop(engine, metrics, server.max_queue)
+    tok = target.tok
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -148,181 +218,107 @@ def make_app(target: Target, engine: Engine) -> FastAPI:
 
     app = FastAPI(title="TIDE", lifespan=lifespan)
     app.state.engine_loop = loop
-    tok = target.tok
+    app.state.metrics = metrics
+    app.include_router(admin_router(engine, server.capture, server.admin_token))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+        return error_response(e.status_code, str(e.detail), kind.get(e.status_code, "invalid_request_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"] if x != "body")
+        return error_response(400, f"{loc}: {err['msg']}")
 
     @app.get("/health")
     def health() -> dict[str, Any]:
         return {
             "status": "ok",
             "draft": engine.draft_version,
+            "gamma": engine.cfg.gamma,
             "running": len(engine.running),
             "waiting": len(engine.waiting),
         }
 
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": MODEL_ID, "object": "model", "owned_by": "tide", "fingerprint": target.fingerprint}
-            ],
-        }
+        card = {"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "tide"}
+        return {"object": "list", "data": [{**card, "fingerprint": target.fingerprint}]}
 
-    async def handle(request: Request, chat: bool) -> Any:
+    def parse(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body is not valid JSON")
-        try:
-            req: ChatRequest | CompletionRequest = (
-                ChatRequest if chat else CompletionRequest
-            ).model_validate(body)
+            return (ChatRequest if chat else CompletionRequest).model_validate(body)
         except ValidationError as e:
-            return _error(400, f"invalid request: {e.errors()[0]['msg']} at {e.errors()[0]['loc']}")
+            message, param = describe(e)
+            raise _BadRequest(400, message, param) from None
+
+    def submit(
+        request: Request, req: ChatRequest | CompletionRequest
+    ) -> tuple[Sequence, asyncio.Queue[Delta]]:
         if req.model != MODEL_ID:
-            return _error(
+            raise _BadRequest(
                 404,
                 f"model {req.model!r} does not exist; this server serves {MODEL_ID!r}",
-                "not_found_error",
                 "model",
+                "not_found_error",
             )
-        if req.n != 1:
-            return _error(400, "only n=1 is supported", param="n")
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if isinstance(req, ChatRequest):
-            prompt = tok.chat_prompt([m.model_dump() for m in req.messages])
-        else:
-            prompt = tok.encode(req.prompt)
-        max_tokens = (
-            req.max_tokens
-            if req.max_tokens is not None
-            else max(1, min(512, engine.cfg.max_model_len - len(prompt)))
-        )
-        params = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, stop)
         try:
-            seq, queue = loop.submit(prompt, params)
+            workload = check_workload(request.headers.get("x-tide-workload", "default"))
         except ValueError as e:
-            return _error(400, str(e))
-        created = int(time.time())
-        rid = ("chatcmpl-" if chat else "cmpl-") + seq.request_id
+            raise _BadRequest(400, f"X-Tide-Workload: {e}") from None
+        opted_out = request.headers.get("x-tide-capture", "on").strip().lower() == "off"
+        if isinstance(req, ChatRequest):
+            prompt = tok.chat_prompt([m.as_template_input() for m in req.messages])
+        elif isinstance(req.prompt, str):
+            prompt = tok.encode(req.prompt)
+        else:
+            prompt = req.prompt
+            if not all(0 <= t < target.config.vocab_size for t in prompt):
+                raise _BadRequest(400, "prompt token ids out of the vocabulary", "prompt")
+        room = engine.cfg.max_model_len - len(prompt)
+        max_tokens = req.requested_max_tokens() or max(1, min(server.default_max_tokens, room))
+        try:
+            seq, queue = loop.submit(
+                prompt, req.sampling(max_tokens), workload, server.capture.decide(workload, opted_out)
+            )
+        except QueueFull as e:
+            metrics.rejected.labels("queue_full").inc()
+            raise _BadRequest(429, f"server busy: {e}; retry later", kind="rate_limit_error") from None
+        except ValueError as e:
+            raise _BadRequest(400, str(e)) from None
+        metrics.prompt_tokens.labels(workload).inc(len(prompt))
+        return seq, queue
+
+    async def handle(request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        start = time.perf_counter()
+        try:
+            req = parse(await _read_body(request, server.max_body_bytes), chat)
+            seq, queue = submit(request, req)
+        except _BadRequest as e:
+            metrics.requests.labels(endpoint, str(e.status)).inc()
+            headers = {"Retry-After": "1"} if e.status == 429 else None
+            resp = error_response(e.status, e.message, e.kind, e.param)
+            if headers:
+                resp.headers.update(headers)
+            return resp
+        call = Generation(loop, metrics, seq, queue, request, chat, req.include_usage, start)
         if req.stream:
-            return StreamingResponse(
-                _stream(request, seq, queue, rid, created, chat), media_type="text/event-stream"
-            )
-        try:
-            while True:
-                _, done = await queue.get()
-                if done:
-                    break
-        except asyncio.CancelledError:
-            engine.abort(seq)
-            raise
-        text = _final_text(seq)
-        usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(seq.output),
-            "total_tokens": len(prompt) + len(seq.output),
-        }
-        reason = "length" if seq.finish_reason == "length" else "stop"
-        if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-            }
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": MODEL_ID,
-                "choices": [choice],
-                "usage": usage,
-            }
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": MODEL_ID,
-            "choices": [choice],
-            "usage": usage,
-        }
-
-    def _final_text(seq: Sequence) -> str:
-        return (
-            seq.stop_text
-            if seq.params.stop and seq.finish_reason == "stop" and seq.stop_text
-            else tok.decode(seq.output)
-        )
-
-    async def _stream(
-        request: Request,
-        seq: Sequence,
-        queue: asyncio.Queue[tuple[list[int], bool]],
-        rid: str,
-        created: int,
-        chat: bool,
-    ) -> AsyncIterator[str]:
-        sent = ""
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: str, reason: str | None) -> str:
-            if chat:
-                c: dict[str, Any] = {
-                    "index": 0,
-                    "delta": {"content": delta} if delta else {},
-                    "finish_reason": reason,
-                }
-            else:
-                c = {"index": 0, "text": delta, "finish_reason": reason}
-            return (
-                "data: "
-                + json.dumps(
-                    {"id": rid, "object": obj, "created": created, "model": MODEL_ID, "choices": [c]}
-                )
-                + "\n\n"
-            )
-
-        try:
-            if chat:
-                yield (
-                    "data: "
-                    + json.dumps(
-                        {
-                            "id": rid,
-                            "object": obj,
-                            "created": created,
-                            "model": MODEL_ID,
-                            "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}],
-                        }
-                    )
-                    + "\n\n"
-                )
-            while True:
-                _, done = await queue.get()
-                text = _final_text(seq) if done else tok.decode(seq.output)
-                if not done:
-                    # hold back an incomplete multi-byte character, and text a stop string may still claim
-                    text = text.rstrip("\ufffd")
-                    if seq.params.stop:
-                        text = text[: max(0, len(text) - max(len(s) for s in seq.params.stop) + 1)]
-                if len(text) > len(sent) and text.startswith(sent):
-                    yield chunk(text[len(sent) :], None)
-                    sent = text
-                if done:
-                    yield chunk("", "length" if seq.finish_reason == "length" else "stop")
-                    yield "data: [DONE]\n\n"
-                    return
-        finally:
-            if not seq.finished:
-                engine.abort(seq)
+            return StreamingResponse(call.stream(), media_type="text/event-stream")
+        return await call.complete()
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
+    async def chat_completions(request: Request) -> Response:
         return await handle(request, True)
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
+    async def completions(request: Request) -> Response:
         return await handle(request, False)
 
     return app

@@ -26,6 +26,7 @@ from tide.models.eagle3 import DraftKV, Eagle3Draft
 from tide.models.llama import Batch
 from tide.models.loader import Target
 from tide.models.packing import pack_linears
+from tide.serving.detokenizer import Detokenizer
 from tide.serving.sampling import BatchSampling, SamplingParams, Verdict, probs_from_logits, sample, verify
 
 
@@ -67,7 +68,19 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     steps: int = 0  # target forward passes spent on this sequence after prefill
-    stop_text: str = ""  # the decoded output, kept only for requests with stop strings
+    detok: Detokenizer | None = None  # text is tracked for stop strings and for callers that ask
+    text: str = ""  # released text of the output, cut before a stop string
+
+    @property
+    def holdback(self) -> int:
+        """Trailing characters a stop string might still claim: not safe to stream yet."""
+        return max((len(s) for s in self.params.stop), default=1) - 1
+
+    @property
+    def streamable_text(self) -> str:
+        if self.finished or not self.holdback:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.holdback)]
 
     @property
     def finished(self) -> bool:
@@ -78,6 +91,7 @@ class Sequence:
 class StepOutput:
     seq: Sequence
     new_tokens: list[int]
+    accepted: int | None = None  # draft tokens the verify pass accepted (None: prefill)
 
 
 class DraftStats:
@@ -165,16 +179,22 @@ class Engine:
         request_id: str | None = None,
         workload: str = "default",
         capture: bool = True,
+        detokenize: bool = False,
     ) -> Sequence:
         params.validate()
         if not prompt:
             raise ValueError("empty prompt")
+        tokenizer = self.target.tokenizer
+        if (params.stop or detokenize) and tokenizer is None:
+            raise ValueError("stop strings and text output need a tokenizer")
         if len(prompt) + params.max_tokens > self.cfg.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{self.cfg.max_model_len} tokens"
             )
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), params, workload, capture)
+        if tokenizer is not None and (params.stop or detokenize):
+            seq.detok = Detokenizer(tokenizer, seq.prompt)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         with self._lock:
@@ -216,6 +236,12 @@ class Engine:
             cache = draft.new_cache(self.cfg.max_batch, self.capacity, self.dtype)
         with self._lock:
             self._pending = (draft, cache)
+
+    def set_gamma(self, gamma: int) -> None:
+        """Draft tokens per step from the next step on (0: no speculation)."""
+        if not 0 <= gamma <= self.cfg.max_gamma:
+            raise ValueError(f"gamma must be in [0, {self.cfg.max_gamma}], got {gamma}")
+        self.cfg.gamma = gamma
 
     @property
     def draft_version(self) -> str:
@@ -308,12 +334,11 @@ class Engine:
         return StepOutput(seq, self._append(seq, [first]))
 
     def _propose(
-        self, seqs: list[Sequence], s: BatchSampling, u: torch.Tensor | None
+        self, seqs: list[Sequence], gamma: int, s: BatchSampling, u: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chain-draft gamma tokens per sequence: (B, gamma) target ids, and q (B, gamma, V) when sampling."""
         draft = self.draft
         assert draft is not None and self.dcache is not None
-        gamma = self.cfg.gamma
         bsz = len(seqs)
         rows = torch.arange(bsz)
         lengths, dlen = self.lengths[:bsz], self.draft_lengths[:bsz]
@@ -359,7 +384,7 @@ class Engine:
         u = None if s.all_greedy else self._uniforms(seqs, 2 * gamma + 1)
         lengths = self.lengths[:bsz].clone()
         if gamma > 0:
-            drafted, q = self._propose(seqs, s, u)
+            drafted, q = self._propose(seqs, gamma, s, u)
             self.timing.propose_seconds += time.perf_counter() - start
         else:
             drafted, q = torch.zeros(bsz, 0, dtype=torch.long), None
@@ -384,7 +409,7 @@ class Engine:
         results = []
         for i, (seq, n) in enumerate(zip(seqs, acc.tolist(), strict=True)):
             seq.steps += 1
-            results.append(StepOutput(seq, self._append(seq, new_tokens[i][: n + 1])))
+            results.append(StepOutput(seq, self._append(seq, new_tokens[i][: n + 1]), n))
         return results
 
     def _verify(
@@ -447,29 +472,29 @@ class Engine:
                 break
             kept.append(t)
             seq.output.append(t)
-            if p.stop and self._hit_stop(seq):
-                seq.finish_reason = "stop"
-                break
+            if seq.detok is not None:
+                delta = seq.detok.push(t)
+                seq.text = seq.detok.text
+                if p.stop and delta and self._hit_stop(seq, len(delta)):
+                    seq.finish_reason = "stop"
+                    return kept
             if len(seq.output) >= p.max_tokens:
                 seq.finish_reason = "length"
                 break
+        if seq.finished and seq.detok is not None:
+            seq.detok.flush()
+            seq.text = seq.detok.text
         return kept
 
-    def _hit_stop(self, seq: Sequence) -> bool:
-        tokenizer = self.target.tokenizer
-        if tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-        text = tokenizer.decode(seq.output)
-        # a stop string can only end inside the text the last token added
-        window = len(text) - len(seq.stop_text) + max(len(x) for x in seq.params.stop)
-        seq.stop_text = text
-        tail = text[-window:]
-        for stop in seq.params.stop:
-            idx = tail.find(stop)
-            if idx >= 0:
-                seq.stop_text = text[: len(text) - len(tail) + idx]
-                return True
-        return False
+    def _hit_stop(self, seq: Sequence, new_chars: int) -> bool:
+        """Cut seq.text before the first stop string that ends in the newly released text."""
+        text = seq.text
+        start = max(0, len(text) - new_chars - seq.holdback)
+        hits = [i for i in (text.find(stop, start) for stop in seq.params.stop) if i >= 0]
+        if not hits:
+            return False
+        seq.text = text[: min(hits)]
+        return True
 
     def _drop_finished(self) -> None:
         done = sorted((s.slot for s in self.running if s.finished), reverse=True)

@@ -57,5 +57,5 @@ def test_sampled_speculation_runs_on_the_default_model(target_bf16, trained_draf
     engine2.load_draft(trained_draft_dir)
     s = engine2.generate(prompts[:1], SamplingParams(max_tokens=40, stop=(stop,)))[0]
     assert s.finish_reason == "stop"
-    assert s.stop_text == text[: text.find(stop)]
+    assert s.text == text[: text.find(stop)]
     assert torch.is_tensor(engine2.stats.attempted)

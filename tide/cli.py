@@ -154,12 +154,17 @@ def serve(
     gamma: int = typer.Option(4, "--gamma", help="draft tokens per step (0: no speculation)"),
     max_batch: int = typer.Option(16, "--max-batch"),
     max_model_len: int = typer.Option(2048, "--max-model-len"),
+    max_queue: int = typer.Option(64, "--max-queue", help="requests waiting for a slot; more get 429"),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes"),
+    admin_token: str | None = typer.Option(
+        None, "--admin-token", envvar="TIDE_ADMIN_TOKEN", help="bearer token of /admin (unset: admin off)"
+    ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """OpenAI-compatible HTTP server over the speculative engine."""
     import uvicorn
 
-    from tide.serving.api import build_app
+    from tide.serving.api import ServerConfig, build_app
     from tide.serving.engine import EngineConfig
 
     _setup_logging(verbose)
@@ -169,6 +174,7 @@ def serve(
             draft,
             _dtype(dtype),
             EngineConfig(max_batch=max_batch, max_model_len=max_model_len, gamma=gamma),
+            ServerConfig(admin_token=admin_token, max_queue=max_queue, max_body_bytes=max_body_bytes),
         )
     uvicorn.run(api, host=host, port=port, log_level="info")
 

@@ -1,0 +1,106 @@
+"""Admin endpoints: the draft in use, loading a draft, speculation and capture settings.
+
+All of them need `Authorization: Bearer <token>` with the token the server was started with; a
+server started without one has its admin API switched off.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from pydantic import BaseModel, Field
+
+from tide.models.eagle3 import DraftLoadError, DraftMismatchError
+from tide.serving.capture import CapturePolicy, CaptureRule, check_workload
+from tide.serving.engine import Engine
+
+
+class LoadDraft(BaseModel):
+    path: str
+    workload: str = "default"
+
+
+class Speculation(BaseModel):
+    gamma: int = Field(ge=0)
+
+
+class CaptureSetting(BaseModel):
+    workload: str  # "*": the rule for workloads without one of their own
+    enabled: bool = True
+    fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+
+
+def admin_router(engine: Engine, capture: CapturePolicy, token: str | None) -> APIRouter:
+    draft_path: dict[str, str | None] = {"default": None}
+
+    def authorised(request: Request) -> None:
+        if token is None:
+            raise HTTPException(403, "the admin API is off: start the server with --admin-token")
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(value.encode(), token.encode()):
+            raise HTTPException(401, "admin endpoints need 'Authorization: Bearer <admin token>'")
+
+    router = APIRouter(prefix="/admin", dependencies=[Depends(authorised)])
+
+    def drafts() -> dict[str, Any]:
+        # one draft serves every workload until per-workload drafts arrive with the registry
+        return {"default": {"version": engine.draft_version, "path": draft_path["default"]}}
+
+    @router.get("/state")
+    def state() -> dict[str, Any]:
+        return {
+            "drafts": drafts(),
+            "speculation": {"gamma": engine.cfg.gamma, "max_gamma": engine.cfg.max_gamma},
+            "capture": capture.snapshot(),
+            "accept_rate_by_depth": engine.stats.rates(),
+            "queue_depth": len(engine.waiting),
+            "running": len(engine.running),
+        }
+
+    @router.get("/drafts")
+    def get_drafts() -> dict[str, Any]:
+        return drafts()
+
+    @router.post("/drafts")
+    def load_draft(body: LoadDraft) -> dict[str, Any]:
+        # sync handler: FastAPI runs it in a worker thread, so loading never stalls other requests
+        if body.workload != "default":
+            raise HTTPException(
+                400, "this node serves one draft for all workloads: load it for workload 'default'"
+            )
+        try:
+            draft = engine.load_draft(body.path)
+        except (DraftLoadError, DraftMismatchError, OSError) as e:
+            raise HTTPException(400, f"draft refused, the current one stays: {e}") from None
+        draft_path["default"] = body.path
+        return {"workload": "default", "version": draft.cfg.version, "status": "swapping at the next step"}
+
+    @router.put("/speculation")
+    def set_speculation(body: Speculation) -> dict[str, Any]:
+        try:
+            engine.set_gamma(body.gamma)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        return {"gamma": engine.cfg.gamma}
+
+    @router.get("/capture")
+    def get_capture() -> dict[str, Any]:
+        return capture.snapshot()
+
+    @router.put("/capture")
+    def set_capture(body: CaptureSetting) -> dict[str, Any]:
+        try:
+            rule = CaptureRule(body.enabled, body.fraction)
+            if body.workload == "*":
+                capture.fallback = rule
+            else:
+                capture.set(check_workload(body.workload), rule)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        return {"workload": body.workload, **asdict(rule)}
+
+    return router

@@ -1,0 +1,84 @@
+"""Prometheus metrics of a serving node, each app with its own registry.
+
+Engine state (queue depth, running requests, gamma, draft version, acceptance by depth) is read
+at scrape time by a collector, so the engine's hot path does no metrics work for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tide.serving.engine import Engine, StepOutput
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        e = self.engine
+        yield GaugeMetricFamily("tide_queue_depth", "Requests waiting for a slot", value=len(e.waiting))
+        yield GaugeMetricFamily("tide_running_requests", "Requests holding a slot", value=len(e.running))
+        yield GaugeMetricFamily("tide_gamma", "Draft tokens proposed per step (0: off)", value=e.cfg.gamma)
+        draft = GaugeMetricFamily("tide_draft_info", "The draft in use (value 1)", labels=["version"])
+        draft.add_metric([e.draft_version], 1)
+        yield draft
+        rate = GaugeMetricFamily(
+            "tide_accept_rate", "Acceptance rate at each draft depth since start", labels=["depth"]
+        )
+        for depth, r in enumerate(e.stats.rates(), start=1):
+            rate.add_metric([str(depth)], r)
+        yield rate
+
+
+class ServingMetrics:
+    def __init__(self, engine: Engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tide_requests", "Finished HTTP requests", ["endpoint", "status"], registry=r)
+        self.latency = Histogram(
+            "tide_request_latency_seconds",
+            "Request latency",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tide_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("tide_prompt_tokens", "Prompt tokens", ["workload"], registry=r)
+        self.generated = Counter("tide_generated_tokens", "Generated tokens", ["workload"], registry=r)
+        self.accepted_length = Histogram(
+            "tide_tokens_per_step",
+            "Tokens a sequence gains per target step (accepted drafts + 1)",
+            buckets=tuple(range(1, engine.cfg.max_gamma + 2)),
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "tide_batch_size",
+            "Running sequences per decode step",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
+        self.aborted = Counter("tide_client_disconnects", "Requests whose client went away", registry=r)
+        self.rejected = Counter("tide_rejected_requests", "Requests refused", ["reason"], registry=r)
+        r.register(_EngineCollector(engine))
+
+    def observe_step(self, outputs: list[StepOutput]) -> None:
+        decoded = 0
+        for out in outputs:
+            self.generated.labels(out.seq.workload).inc(len(out.new_tokens))
+            if out.accepted is not None:
+                self.accepted_length.observe(out.accepted + 1)
+                decoded += 1
+        if decoded:
+            self.batch_size.observe(decoded)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

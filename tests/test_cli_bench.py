@@ -1,0 +1,40 @@
+"""The `tide` command end to end: bench report keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from tide.cli import app
+
+from .conftest import WORKLOADS
+
+
+def test_bench_spec_report(trained_draft_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    args = ["bench", "spec", "--prompts", str(WORKLOADS / "code.jsonl"), "--draft", str(trained_draft_dir),
+            "--max-new-tokens", "24", "--batch-size", "2", "--limit", "4", "--gamma", "3", "--no-llama-cpp",
+            "--out", str(out), "--plot", str(tmp_path / "spec.png")]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    r = json.loads(out.read_text())
+    assert (tmp_path / "spec.png").stat().st_size > 1000
+    for key in (
+        "speedup",
+        "predicted_speedup",
+        "greedy_match_rate",
+        "greedy_identical",
+        "tap_overhead",
+        "dtype",
+        "batch_size",
+        "gamma",
+    ):
+        assert key in r, key
+    assert r["baseline"]["tokens_per_s"] > 0 and r["speculative"]["tokens_per_s"] > 0
+    assert len(r["speculative"]["accept_rate_by_depth"]) == 3
+    assert r["speculative"]["mean_accept_length"] >= 1.0
+    assert 0 <= r["greedy_match_rate"] <= 1 and r["dtype"] == "bfloat16" and r["batch_size"] == 2
+    assert len(r["divergence_top2_logit_gaps"]) == round((1 - r["greedy_match_rate"]) * r["prompts"])
+    assert r["predicted_speedup"] > 0 and 0 <= r["tap_overhead"] < 1
