@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tide.config import default_draft_dir
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
+from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.serving.admin import admin_router
 from tide.serving.capture import CapturePolicy, check_workload
 from tide.serving.engine import Engine, EngineConfig, Sequence
@@ -56,8 +57,14 @@ class _BadRequest(Exception):
 
 
 def build_app(
-    model: str | None, draft: str | None, dtype: torch.dtype, cfg: EngineConfig, server: ServerConfig
+    model: str | None,
+    draft: str | None,
+    dtype: torch.dtype,
+    cfg: EngineConfig,
+    server: ServerConfig,
+    kafka: PublisherConfig | None = None,
 ) -> FastAPI:
+    """The server as `tide serve` runs it; with `kafka`, tapped hidden states are published there."""
     target = load_target(model, dtype)
     draft_dir = Path(draft) if draft else default_draft_dir(target.fingerprint)
     head = None
@@ -68,7 +75,8 @@ def build_app(
         log.info("draft %s loaded from %s", head.cfg.version, draft_dir)
     else:
         log.warning("no draft: serving without speculation (train one with `tide draft ensure-default`)")
-    return make_app(target, Engine(target, head, cfg), server)
+    publisher = RecordPublisher(kafka, target.fingerprint) if kafka is not None else None
+    return make_app(target, Engine(target, head, cfg, tap=publisher), server, publisher)
 
 
 async def _read_body(request: Request, limit: int) -> Any:
@@ -205,9 +213,14 @@ class Generation:
             yield "data: [DONE]\n\n"
 
 
-def make_app(target: Target, engine: Engine, server: ServerConfig | None = None) -> FastAPI:
+def make_app(
+    target: Target,
+    engine: Engine,
+    server: ServerConfig | None = None,
+    publisher: RecordPublisher | None = None,
+) -> FastAPI:
     server = server or ServerConfig()
-    metrics = ServingMetrics(engine)
+    metrics = ServingMetrics(engine, publisher)
     loop = EngineLoop(engine, metrics, server.max_queue)
     tok = target.tok
 
@@ -215,6 +228,8 @@ def make_app(target: Target, engine: Engine, server: ServerConfig | None = None)
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         loop.stop()
+        if publisher is not None:
+            publisher.close()
 
     app = FastAPI(title="TIDE", lifespan=lifespan)
     app.state.engine_loop = loop

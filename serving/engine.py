@@ -41,16 +41,23 @@ class EngineConfig:
 
 @dataclass
 class TapEvent:
-    """Hidden states of positions the target has committed: prefill positions or accepted tokens."""
+    """Hidden states of committed positions whose next token the request kept.
+
+    Positions [first_position, first_position + m): `aux` and `hidden` hold m states and `tokens` the
+    m + 1 tokens at positions first_position ... first_position + m, so the state at position p comes
+    with the token it predicted. Consecutive events of a request overlap by that one token, and
+    together they carry exactly the prompt and the completion the client received.
+    """
 
     request_id: str
     workload: str
     first_position: int
-    tokens: torch.Tensor  # (k,) token ids at these positions
-    aux: torch.Tensor  # (k, 3d) residual stream before the aux layers
-    hidden: torch.Tensor  # (k, d) final normed hidden state (predicts the next token)
+    tokens: torch.Tensor  # (m + 1,) token ids
+    aux: torch.Tensor  # (m, 3d) residual stream before the aux layers
+    hidden: torch.Tensor  # (m, d) final normed hidden state (predicts the next token)
     prefill: bool
     draft_version: str
+    final: bool = False  # the request's last event
 
 
 TapCallback = Callable[[TapEvent], None]
@@ -316,22 +323,9 @@ class Engine:
         self.tokens[slot, n] = first
         if self.draft is not None:
             self._sync_draft(slot)
-        if self.tap is not None and seq.capture:
-            t = time.perf_counter()
-            self.tap(
-                TapEvent(
-                    seq.request_id,
-                    seq.workload,
-                    0,
-                    prompt,
-                    out.aux[0],
-                    out.hidden[0],
-                    True,
-                    self.draft_version,
-                )
-            )
-            self.tap_seconds += time.perf_counter() - t
-        return StepOutput(seq, self._append(seq, [first]))
+        kept = self._append(seq, [first])
+        self._emit(seq, 0, prompt, out.aux[0], out.hidden[0], kept, True)
+        return StepOutput(seq, kept)
 
     def _propose(
         self, seqs: list[Sequence], gamma: int, s: BatchSampling, u: torch.Tensor | None
@@ -401,15 +395,16 @@ class Engine:
         self.lengths[:bsz] = lengths + acc + 1
         if gamma > 0:
             self.stats.add(acc, gamma)
-        if self.tap is not None:
-            self._emit_tap(seqs, inp, out.aux, out.hidden, lengths, acc)
         new_tokens = verdict.tokens.tolist()
         self.timing.decode_steps += 1
         self.timing.decode_seconds += time.perf_counter() - start
         results = []
+        starts = lengths.tolist()
         for i, (seq, n) in enumerate(zip(seqs, acc.tolist(), strict=True)):
             seq.steps += 1
-            results.append(StepOutput(seq, self._append(seq, new_tokens[i][: n + 1]), n))
+            kept = self._append(seq, new_tokens[i][: n + 1])
+            self._emit(seq, starts[i], inp[i, :1], out.aux[i], out.hidden[i], kept, False)
+            results.append(StepOutput(seq, kept, n))
         return results
 
     def _verify(
@@ -432,33 +427,37 @@ class Engine:
             q = torch.zeros_like(p[:, :gamma])
         return verify(p, q, drafted, u[:, gamma : 2 * gamma], u[:, 2 * gamma])
 
-    def _emit_tap(
+    def _emit(
         self,
-        seqs: list[Sequence],
-        inp: torch.Tensor,
+        seq: Sequence,
+        first: int,
+        inputs: torch.Tensor,
         aux: torch.Tensor,
         hidden: torch.Tensor,
-        lengths: torch.Tensor,
-        acc: torch.Tensor,
+        kept: list[int],
+        prefill: bool,
     ) -> None:
-        assert self.tap is not None
+        """Tap the positions from `first` whose next token was kept: inputs[1:] are known to follow."""
+        if self.tap is None or not seq.capture:
+            return
+        m = len(inputs) - 1 + len(kept)
+        if m == 0:
+            return
         t = time.perf_counter()
-        version = self.draft_version
-        for i, (seq, n, start) in enumerate(zip(seqs, acc.tolist(), lengths.tolist(), strict=True)):
-            if seq.capture:
-                k = n + 1
-                self.tap(
-                    TapEvent(
-                        seq.request_id,
-                        seq.workload,
-                        start,
-                        inp[i, :k],
-                        aux[i, :k],
-                        hidden[i, :k],
-                        False,
-                        version,
-                    )
-                )
+        tokens = torch.cat([inputs, torch.tensor(kept, dtype=inputs.dtype)])
+        self.tap(
+            TapEvent(
+                seq.request_id,
+                seq.workload,
+                first,
+                tokens,
+                aux[:m],
+                hidden[:m],
+                prefill,
+                self.draft_version,
+                seq.finished,
+            )
+        )
         self.tap_seconds += time.perf_counter() - t
 
     # -- finishing --------------------------------------------------------------------------------

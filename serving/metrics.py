@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tide.producers.publisher import RecordPublisher
 from tide.serving.engine import Engine, StepOutput
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
@@ -37,8 +38,28 @@ class _EngineCollector(Collector):
         yield rate
 
 
+class _PublisherCollector(Collector):
+    def __init__(self, publisher: RecordPublisher):
+        self.publisher = publisher
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self.publisher.stats
+        for name, doc, value in (
+            ("tide_capture_records_published", "Records the broker acknowledged", s.records_published),
+            ("tide_capture_bytes_published", "Bytes of acknowledged records", s.bytes_published),
+            (
+                "tide_capture_records_dropped",
+                "Records dropped: buffer full or broker away",
+                s.records_dropped,
+            ),
+            ("tide_capture_records_failed", "Records the broker never acknowledged", s.records_failed),
+            ("tide_capture_events_dropped", "Tap events dropped: publisher queue full", s.events_dropped),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+
+
 class ServingMetrics:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, publisher: RecordPublisher | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tide_requests", "Finished HTTP requests", ["endpoint", "status"], registry=r)
@@ -69,6 +90,8 @@ class ServingMetrics:
         self.aborted = Counter("tide_client_disconnects", "Requests whose client went away", registry=r)
         self.rejected = Counter("tide_rejected_requests", "Requests refused", ["reason"], registry=r)
         r.register(_EngineCollector(engine))
+        if publisher is not None:
+            r.register(_PublisherCollector(publisher))
 
     def observe_step(self, outputs: list[StepOutput]) -> None:
         decoded = 0

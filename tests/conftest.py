@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
+from tide.infra.kafka.broker import KafkaBroker
 from tide.models.eagle3 import DraftConfig, Eagle3Draft
 from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.loader import Target, load_target
@@ -35,7 +43,7 @@ def target_bf16() -> Target:
 
 @pytest.fixture(scope="session")
 def trained_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A draft trained by the real `tide draft train` command on a few code prompts (about a minute)."""
+    """A draft trained by the real `tide draft train` command on a few code prompts (about two minutes)."""
     from typer.testing import CliRunner
 
     from tide.cli import app
@@ -55,7 +63,9 @@ def trained_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--out",
             str(out),
             "--budget-minutes",
-            "1.5",
+            "10",
+            "--max-steps",
+            "300",  # a fixed amount of training: the draft's quality must not depend on the machine's load
             "--max-new-tokens",
             "96",
             "--draft-vocab",
@@ -137,3 +147,49 @@ def tiny_draft(target: Target, vocab: int | None = None, seed: int = 1) -> Eagle
         # start close to the target's own head so that some drafts are accepted and some are not
         draft.lm_head.weight.copy_(target.model.lm_head.weight[draft.target_ids()])
     return draft.eval()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_process(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`tide serve ARGS` as a separate process, as users run it; yields its base URL once healthy."""
+    port = free_port()
+    tide = Path(sys.executable).parent / "tide"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(tide), "serve", "--port", str(port), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, f"server exited:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"server did not come up:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
+    """A real single-node Kafka broker (KRaft) from the Maven Central jars, for the whole session."""
+    with KafkaBroker(tmp_path_factory.mktemp("kafka")) as broker:
+        yield broker

@@ -5,10 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +17,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
+
+from .conftest import serve_process
 
 ADMIN = "s3cret-admin-token"
 CHINESE = "我喜欢吃中国菜，因为"
@@ -47,40 +45,13 @@ class Server:
         return total
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(trained_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    tide = Path(sys.executable).parent / "tide"
-    args = [str(tide), "serve", "--draft", str(trained_draft_dir), "--port", str(port), "--gamma", "3",
-            "--max-batch", "2", "--max-queue", "2", "--max-model-len", "512", "--verbose"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TIDE_ADMIN_TOKEN": ADMIN}
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, f"server exited:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"server did not come up:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    yield Server(url, log, trained_draft_dir)
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    args = ["--draft", str(trained_draft_dir), "--gamma", "3", "--max-batch", "2", "--max-queue", "2",
+            "--max-model-len", "512", "--verbose"]  # fmt: skip
+    with serve_process(args, log, {"TIDE_ADMIN_TOKEN": ADMIN}) as url:
+        yield Server(url, log, trained_draft_dir)
 
 
 def _chat(content: str) -> list[dict[str, str]]:

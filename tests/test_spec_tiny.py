@@ -98,6 +98,7 @@ def test_tap_hands_out_exactly_the_committed_positions() -> None:
                 e.hidden.clone(),
                 e.prefill,
                 e.draft_version,
+                e.final,
             )
         ),
     )
@@ -106,15 +107,16 @@ def test_tap_hands_out_exactly_the_committed_positions() -> None:
     for seq in seqs:
         evs = sorted((e for e in events if e.request_id == seq.request_id), key=lambda e: e.first_position)
         assert evs[0].prefill and not any(e.prefill for e in evs[1:])
+        assert evs[-1].final and not any(e.final for e in evs[:-1])
         starts = [e.first_position for e in evs]
-        lens = [len(e.tokens) for e in evs]
+        lens = [len(e.aux) for e in evs]
+        assert all(len(e.tokens) == len(e.aux) + 1 == len(e.hidden) + 1 for e in evs)
         assert starts == [sum(lens[:i]) for i in range(len(lens))]  # contiguous, none missing, none twice
-        tokens = torch.cat([e.tokens for e in evs])
-        full = seq.prompt + seq.output
-        assert tokens.tolist() == full[: len(tokens)]
-        assert len(tokens) >= len(full) - 1 - 3  # at most the last step's tokens are not yet committed
+        # together: exactly the prompt and the completion, each state with the token it predicted
+        tokens = torch.cat([e.tokens[:-1] for e in evs] + [evs[-1].tokens[-1:]])
+        assert tokens.tolist() == seq.prompt + seq.output
         # the states equal a fresh forward over the same tokens: no extra pass was needed to get them
-        ref = target.model.forward_once(tokens.unsqueeze(0), capture_aux=True)
+        ref = target.model.forward_once(tokens[:-1].unsqueeze(0), capture_aux=True)
         assert ref.aux is not None
         assert torch.allclose(torch.cat([e.aux for e in evs]), ref.aux[0], atol=1e-5)
         assert torch.allclose(torch.cat([e.hidden for e in evs]), ref.hidden[0], atol=1e-5)

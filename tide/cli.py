@@ -75,6 +75,9 @@ def draft_train(
     data: Path | None = typer.Option(
         None, "--data", help="save the collected hidden states here, or reuse them if present"
     ),
+    max_steps: int = typer.Option(
+        0, "--max-steps", help="stop after this many training steps (0: train until the budget is spent)"
+    ),
 ) -> None:
     """The target answers the prompts, the tap captures hidden states, and an EAGLE-3 head is trained."""
     from tide.models.loader import load_target
@@ -88,7 +91,10 @@ def draft_train(
             items += chosen[:limit] if limit else chosen
         target = load_target(model, parse_dtype("bfloat16"))
     cfg = BootstrapConfig(
-        budget_minutes=budget_minutes, max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab
+        budget_minutes=budget_minutes,
+        max_new_tokens=max_new_tokens,
+        draft_vocab_size=draft_vocab,
+        max_steps=max_steps,
     )
     report = bootstrap(target, _interleave(items, len(prompts)), out, cfg, data)
     last = report["history"][-1] if report["history"] else {}
@@ -159,12 +165,22 @@ def serve(
     admin_token: str | None = typer.Option(
         None, "--admin-token", envvar="TIDE_ADMIN_TOKEN", help="bearer token of /admin (unset: admin off)"
     ),
+    kafka: str | None = typer.Option(
+        None, "--kafka", help="bootstrap servers: publish captured hidden states there (unset: no capture)"
+    ),
+    codec: str = typer.Option("int8-g64", "--codec", help="record codec: bf16, int8-g64 or fp8-g64"),
+    chunk_positions: int = typer.Option(128, "--chunk-positions", help="positions per Kafka record at most"),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """OpenAI-compatible HTTP server over the speculative engine."""
     import uvicorn
 
+    from tide.producers.publisher import PublisherConfig
+    from tide.producers.records import CODECS
     from tide.serving.api import ServerConfig, build_app
+
+    if codec not in CODECS:
+        raise typer.BadParameter(f"choose one of {', '.join(CODECS)}", param_hint="--codec")
     from tide.serving.engine import EngineConfig
 
     _setup_logging(verbose)
@@ -175,6 +191,7 @@ def serve(
             _dtype(dtype),
             EngineConfig(max_batch=max_batch, max_model_len=max_model_len, gamma=gamma),
             ServerConfig(admin_token=admin_token, max_queue=max_queue, max_body_bytes=max_body_bytes),
+            PublisherConfig(kafka, codec, chunk_positions) if kafka else None,
         )
     uvicorn.run(api, host=host, port=port, log_level="info")
 

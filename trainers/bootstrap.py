@@ -26,6 +26,7 @@ from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, init_draft
 @dataclass
 class BootstrapConfig:
     budget_minutes: float = 10.0
+    max_steps: int = 0  # stop training after this many steps (0: when the budget is spent)
     max_new_tokens: int = 256
     draft_vocab_size: int = 4096
     gen_batch: int = 16
@@ -54,14 +55,15 @@ class Recorder:
                 ev.hidden.to(torch.bfloat16, copy=True),
                 ev.prefill,
                 ev.draft_version,
+                ev.final,
             )
         )
 
     def example(self, request_id: str, lm_head: torch.Tensor) -> Example:
         parts = sorted(self.parts.pop(request_id), key=lambda e: e.first_position)
-        prompt_len = len(parts[0].tokens)
+        prompt_len = len(parts[0].tokens) - 1
         return Example.make(
-            torch.cat([p.tokens for p in parts]),
+            torch.cat([p.tokens[:-1] for p in parts]),  # the token each state comes with
             torch.cat([p.aux for p in parts]),
             torch.cat([p.hidden for p in parts]),
             lm_head,
@@ -126,7 +128,7 @@ def train(
     total_s = max(1.0, deadline - time.monotonic())
     with tqdm(total=round(total_s), desc="training draft", unit="s") as bar:
         start = time.monotonic()
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (cfg.max_steps and trainer.steps >= cfg.max_steps):
             loss = trainer.step(random.sample(train_set, min(tcfg.batch_size, len(train_set))))
             bar.set_postfix(loss=f"{loss:.3f}", step=trainer.steps)
             bar.n = min(round(time.monotonic() - start), bar.total)

@@ -1,0 +1,1 @@
+"""A single-node Kafka broker (KRaft) built from Maven Central jars."""

@@ -1,0 +1,242 @@
+"""Publishes the engine's tapped hidden states to Kafka without ever holding up a request.
+
+The engine calls the publisher (its tap) on its own thread: the call copies the states and puts
+them on a bounded queue, nothing more; a full queue drops the event and counts it. A worker thread
+assembles each request's events into chunks of at most `chunk_positions` positions, encodes them
+and hands them to librdkafka, whose own bounded buffer drops (BufferError, counted) rather than
+blocks. Delivery reports arrive on a polling thread. Messages are keyed by request id, so one
+request's chunks land in one partition, in order.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from confluent_kafka import KafkaException, Producer
+from confluent_kafka.admin import AdminClient
+
+from tide.producers.records import CODECS, HiddenStateRecord, encode
+from tide.producers.topics import TopicConfig, ensure_topic, topic_for
+from tide.serving.engine import TapEvent
+
+log = logging.getLogger("tide.producers")
+
+
+@dataclass
+class PublisherConfig:
+    bootstrap: str
+    codec: str = "int8-g64"
+    chunk_positions: int = 128
+    queue_events: int = 4096  # tap events waiting for the worker
+    buffer_kbytes: int = 64 * 1024  # librdkafka's in-memory buffer
+    delivery_timeout_ms: int = 30_000  # a record not delivered by then is counted as failed
+    idle_flush_s: float = 30.0  # a request silent this long (its client left) is flushed as it is
+    topics: TopicConfig = field(default_factory=TopicConfig)
+
+
+@dataclass
+class PublisherStats:
+    records_published: int = 0
+    bytes_published: int = 0
+    records_dropped: int = 0  # buffer full or topic unavailable: never sent
+    records_failed: int = 0  # sent, but the broker did not acknowledge in time
+    events_dropped: int = 0  # the worker's queue was full
+
+
+@dataclass
+class _Pending:
+    """A request's positions not yet published."""
+
+    workload: str
+    draft_version: str
+    first_position: int
+    tokens: torch.Tensor  # (m + 1,)
+    aux: torch.Tensor
+    hidden: torch.Tensor
+    prefill: torch.Tensor
+    chunk: int = 0
+    touched: float = field(default_factory=time.monotonic)
+
+
+class RecordPublisher:
+    def __init__(self, cfg: PublisherConfig, target_fingerprint: str):
+        if cfg.codec not in CODECS:
+            raise ValueError(f"unknown codec {cfg.codec!r}; choose one of {', '.join(CODECS)}")
+        self.cfg = cfg
+        self.fingerprint = target_fingerprint
+        self.stats = PublisherStats()
+        self._stats_lock = threading.Lock()
+        self.producer = Producer(
+            {
+                "bootstrap.servers": cfg.bootstrap,
+                "enable.idempotence": True,
+                "linger.ms": 20,
+                "queue.buffering.max.kbytes": cfg.buffer_kbytes,
+                "message.max.bytes": cfg.topics.max_message_bytes,
+                "message.timeout.ms": cfg.delivery_timeout_ms,
+                "compression.type": "none",  # records are zstd-compressed already where it pays
+                "logger": log,  # librdkafka's complaints go through logging, not raw stderr
+            }
+        )
+        self.admin = AdminClient({"bootstrap.servers": cfg.bootstrap, "logger": log})
+        self._topics: set[str] = set()
+        self._topic_retry_at = 0.0
+        self._events: queue.Queue[TapEvent | None] = queue.Queue(cfg.queue_events)
+        self._pending: dict[str, _Pending] = {}
+        self._stopped = threading.Event()
+        self._worker = threading.Thread(target=self._work, name="record-publisher", daemon=True)
+        self._poller = threading.Thread(target=self._poll, name="kafka-poll", daemon=True)
+        self._worker.start()
+        self._poller.start()
+
+    # -- the engine's side: copy and enqueue, nothing else ----------------------------------------
+    def __call__(self, ev: TapEvent) -> None:
+        copy = TapEvent(
+            ev.request_id,
+            ev.workload,
+            ev.first_position,
+            ev.tokens.clone(),
+            ev.aux.to(torch.bfloat16, copy=True),
+            ev.hidden.to(torch.bfloat16, copy=True),
+            ev.prefill,
+            ev.draft_version,
+            ev.final,
+        )
+        try:
+            self._events.put_nowait(copy)
+        except queue.Full:
+            self._count(events_dropped=1)
+
+    # -- worker: chunk, encode, produce ------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            try:
+                ev = self._events.get(timeout=1.0)
+            except queue.Empty:
+                self._flush_idle()
+                continue
+            try:
+                if ev is None:
+                    return
+                self._add(ev)
+            except Exception:  # a bug here must not take capture down for everyone
+                log.exception("could not publish a tap event")
+            finally:
+                self._events.task_done()
+
+    def _add(self, ev: TapEvent) -> None:
+        n = len(ev.aux)
+        flags = torch.full((n,), ev.prefill, dtype=torch.bool)
+        p = self._pending.get(ev.request_id)
+        if p is None:
+            p = _Pending(
+                ev.workload, ev.draft_version, ev.first_position, ev.tokens, ev.aux, ev.hidden, flags
+            )
+            self._pending[ev.request_id] = p
+        else:
+            p.tokens = torch.cat([p.tokens[:-1], ev.tokens])  # events overlap by one token
+            p.aux = torch.cat([p.aux, ev.aux])
+            p.hidden = torch.cat([p.hidden, ev.hidden])
+            p.prefill = torch.cat([p.prefill, flags])
+            p.draft_version = ev.draft_version
+            p.touched = time.monotonic()
+        c = self.cfg.chunk_positions
+        while len(p.aux) >= c and not (ev.final and len(p.aux) == c):
+            self._send(ev.request_id, p, c, last=False)
+        if ev.final:
+            self._send(ev.request_id, p, len(p.aux), last=True)
+            del self._pending[ev.request_id]
+
+    def _flush_idle(self) -> None:
+        now = time.monotonic()
+        for rid, p in list(self._pending.items()):
+            if now - p.touched > self.cfg.idle_flush_s:
+                if len(p.aux):
+                    self._send(rid, p, len(p.aux), last=True)
+                del self._pending[rid]
+
+    def _send(self, request_id: str, p: _Pending, n: int, last: bool) -> None:
+        record = HiddenStateRecord(
+            tokens=p.tokens[: n + 1],
+            aux=p.aux[:n],
+            hidden=p.hidden[:n],
+            prefill=p.prefill[:n],
+            target_fingerprint=self.fingerprint,
+            draft_version=p.draft_version,
+            workload=p.workload,
+            request_id=request_id,
+            chunk=p.chunk,
+            first_position=p.first_position,
+            last=last,
+        )
+        p.tokens, p.aux, p.hidden, p.prefill = p.tokens[n:], p.aux[n:], p.hidden[n:], p.prefill[n:]
+        p.chunk += 1
+        p.first_position += n
+        topic = self._topic(p.workload)
+        if topic is None:
+            self._count(records_dropped=1)
+            return
+        blob = encode(record, self.cfg.codec)
+        try:
+            self.producer.produce(
+                topic,
+                key=request_id.encode(),
+                value=blob,
+                on_delivery=functools.partial(self._delivered, len(blob)),
+            )
+        except BufferError:
+            self._count(records_dropped=1)
+        except KafkaException:
+            log.warning("record refused by the client library")
+            self._count(records_dropped=1)
+
+    def _topic(self, workload: str) -> str | None:
+        topic = topic_for(workload)
+        if topic in self._topics:
+            return topic
+        if time.monotonic() < self._topic_retry_at:
+            return None  # the broker was away a moment ago: do not wait on it again per record
+        try:
+            ensure_topic(self.admin, workload, self.cfg.topics, timeout=5.0)
+        except KafkaException as e:
+            log.warning("topic %s unavailable (%s); dropping its records for now", topic, e.args[0])
+            self._topic_retry_at = time.monotonic() + 5.0
+            return None
+        self._topics.add(topic)
+        return topic
+
+    def _delivered(self, size: int, err: object, _msg: object) -> None:
+        if err is None:
+            self._count(records_published=1, bytes_published=size)
+        else:
+            self._count(records_failed=1)
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for k, v in deltas.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def _poll(self) -> None:
+        while not self._stopped.is_set():
+            self.producer.poll(0.1)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def flush(self, timeout: float = 10.0) -> int:
+        """Wait until queued events are handled and librdkafka has delivered; returns messages unsent."""
+        deadline = time.monotonic() + timeout
+        while self._events.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return int(self.producer.flush(max(0.0, deadline - time.monotonic())))
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.flush(timeout)
+        self._events.put(None)
+        self._worker.join(timeout)
+        self._stopped.set()
+        self._poller.join(timeout)

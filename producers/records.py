@@ -1,0 +1,192 @@
+"""HiddenStateRecord: one chunk of one request's hidden states, as bytes for Kafka.
+
+A record is a safetensors blob whose header metadata carries the schema version, the target
+fingerprint and where the chunk sits (workload, request, chunk index, first position). The aux and
+final hidden states go through a codec:
+
+- `bf16`: the states as the paper stores them;
+- `int8-g64` / `fp8-g64`: group-wise quantization, one bf16 scale per (token, layer, group of 64).
+  The residual stream has massive outliers (a few tokens carry most of the norm), so per-row scales
+  would flatten every other value to zero; per-group scales keep them.
+
+The whole blob is then zstd-compressed when that saves at least 5%.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zstandard
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+SCHEMA_VERSION = "1"
+CODECS = ("bf16", "int8-g64", "fp8-g64")
+GROUP = 64
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_MAX_DECOMPRESSED = 64 << 20  # a record larger than this is not one of ours
+
+
+class RecordError(ValueError):
+    """A message that is not a usable record; consumers count these and skip them."""
+
+
+class CorruptRecord(RecordError):
+    pass
+
+
+class SchemaMismatch(RecordError):
+    pass
+
+
+class ForeignTarget(RecordError):
+    """A record made by another target model: its states mean nothing to this draft."""
+
+
+@dataclass
+class HiddenStateRecord:
+    tokens: torch.Tensor  # (m + 1,) the tokens at positions first_position ... first_position + m
+    aux: torch.Tensor  # (m, 3d) residual stream before the three aux layers
+    hidden: torch.Tensor  # (m, d) final normed hidden state
+    prefill: torch.Tensor  # (m,) bool: position of the prompt (True) or of an accepted token
+    target_fingerprint: str
+    draft_version: str
+    workload: str
+    request_id: str
+    chunk: int
+    first_position: int
+    last: bool  # the request's final chunk
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.aux)
+
+    def __post_init__(self) -> None:
+        m = len(self.aux)
+        if self.tokens.shape != (m + 1,) or self.hidden.shape[0] != m or self.prefill.shape != (m,):
+            raise ValueError(
+                f"inconsistent record: tokens {tuple(self.tokens.shape)}, aux {tuple(self.aux.shape)}, "
+                f"hidden {tuple(self.hidden.shape)}, prefill {tuple(self.prefill.shape)}"
+            )
+
+
+# -- codecs -----------------------------------------------------------------------------------------
+def _quantize(x: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+    """(m, n) with n a multiple of GROUP -> codes and one fp16 scale per row and group."""
+    m, n = x.shape
+    g = x.float().reshape(m, n // GROUP, GROUP)
+    absmax = g.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    top = 127.0 if kind == "int8-g64" else 448.0  # 448: the largest float8-e4m3 value
+    # scales are stored in bf16 (fp16 would underflow on quiet groups); quantizing with the rounded
+    # scale makes decoding see exactly what encoding used
+    scale16 = (absmax / top).to(torch.bfloat16)
+    scaled = g / scale16.float()
+    if kind == "int8-g64":
+        codes = torch.round(scaled).clamp_(-127, 127).to(torch.int8)
+    else:
+        codes = scaled.clamp_(-448, 448).to(torch.float8_e4m3fn)
+    return {"codes": codes.reshape(m, n).view(torch.int8), "scales": scale16.reshape(m, n // GROUP)}
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str) -> torch.Tensor:
+    m, n = codes.shape
+    values = codes.float() if kind == "int8-g64" else codes.view(torch.float8_e4m3fn).float()
+    return (values.reshape(m, n // GROUP, GROUP) * scales.float().unsqueeze(-1)).reshape(m, n)
+
+
+def _encode_tensor(name: str, x: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
+    if codec == "bf16" or x.shape[-1] % GROUP:
+        return {name: x.to(torch.bfloat16).contiguous()}
+    q = _quantize(x, codec)
+    return {f"{name}.codes": q["codes"].contiguous(), f"{name}.scales": q["scales"].contiguous()}
+
+
+def _decode_tensor(t: dict[str, torch.Tensor], name: str, codec: str) -> torch.Tensor:
+    if name in t:
+        return t[name]
+    return _dequantize(t[f"{name}.codes"], t[f"{name}.scales"], codec).to(torch.bfloat16)
+
+
+# -- bytes ------------------------------------------------------------------------------------------
+def encode(record: HiddenStateRecord, codec: str = "int8-g64", zstd: bool = True) -> bytes:
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    tensors = {
+        "tokens": record.tokens.to(torch.int32).contiguous(),
+        "prefill": record.prefill.to(torch.uint8).contiguous(),
+        **_encode_tensor("aux", record.aux, codec),
+        **_encode_tensor("hidden", record.hidden, codec),
+    }
+    meta = {
+        "schema": SCHEMA_VERSION,
+        "codec": codec,
+        "target_fingerprint": record.target_fingerprint,
+        "draft_version": record.draft_version,
+        "workload": record.workload,
+        "request_id": record.request_id,
+        "chunk": str(record.chunk),
+        "first_position": str(record.first_position),
+        "last": "1" if record.last else "0",
+        "created_at": repr(record.created_at),
+    }
+    blob = st_save(tensors, metadata=meta)
+    if zstd:
+        packed = zstandard.ZstdCompressor(level=3).compress(blob)
+        if len(packed) < 0.95 * len(blob):
+            return packed
+    return blob
+
+
+def decode(data: bytes, expect_fingerprint: str | None = None) -> HiddenStateRecord:
+    """Bytes -> record; raises a RecordError subclass for anything that is not a record we can use."""
+    if data[:4] == _ZSTD_MAGIC:
+        try:
+            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=_MAX_DECOMPRESSED)
+        except zstandard.ZstdError as e:
+            raise CorruptRecord(f"zstd frame does not decompress: {e}") from None
+    try:
+        tensors = st_load(data)
+        meta = _metadata(data)
+    except (SafetensorError, ValueError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptRecord(f"not a safetensors record: {e}") from None
+    if meta.get("schema") != SCHEMA_VERSION:
+        raise SchemaMismatch(f"record schema {meta.get('schema')!r}, this reader knows {SCHEMA_VERSION!r}")
+    if expect_fingerprint is not None and meta.get("target_fingerprint") != expect_fingerprint:
+        raise ForeignTarget(
+            f"record made by target {str(meta.get('target_fingerprint'))[:16]}…, "
+            f"expected {expect_fingerprint[:16]}…"
+        )
+    codec = meta.get("codec", "")
+    try:
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}")
+        return HiddenStateRecord(
+            tokens=tensors["tokens"].long(),
+            aux=_decode_tensor(tensors, "aux", codec),
+            hidden=_decode_tensor(tensors, "hidden", codec),
+            prefill=tensors["prefill"].bool(),
+            target_fingerprint=meta["target_fingerprint"],
+            draft_version=meta["draft_version"],
+            workload=meta["workload"],
+            request_id=meta["request_id"],
+            chunk=int(meta["chunk"]),
+            first_position=int(meta["first_position"]),
+            last=meta["last"] == "1",
+            created_at=float(meta["created_at"]),
+        )
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CorruptRecord(f"record fields are missing or inconsistent: {e}") from None
+
+
+def _metadata(blob: bytes) -> dict[str, str]:
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + n])
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise ValueError("bad metadata")
+    return {str(k): str(v) for k, v in meta.items()}

@@ -1,0 +1,123 @@
+"""HiddenStateRecord round trips over shapes, dtypes and codecs; bad bytes get a clear error type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save as st_save
+
+from tide.producers.records import (
+    CODECS,
+    CorruptRecord,
+    ForeignTarget,
+    HiddenStateRecord,
+    RecordError,
+    SchemaMismatch,
+    decode,
+    encode,
+)
+
+FP = "f" * 64
+
+
+def _record(
+    m: int, d: int, dtype: torch.dtype = torch.float32, seed: int = 0, outliers: bool = True
+) -> HiddenStateRecord:
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(m, 3 * d, generator=g) * torch.tensor([2.9, 6.3, 22.5]).repeat_interleave(d)
+    if outliers and m > 1:  # massive activations: a few tokens, a few channels
+        aux[0, :8] = 25_000.0
+        aux[m // 2, d + 3] = -9_000.0
+    return HiddenStateRecord(
+        tokens=torch.randint(0, 49152, (m + 1,), generator=g),
+        aux=aux.to(dtype),
+        hidden=torch.randn(m, d, generator=g).to(dtype),
+        prefill=torch.arange(m) < m // 3,
+        target_fingerprint=FP,
+        draft_version="draft-7",
+        workload="code",
+        request_id=f"req-{seed}",
+        chunk=seed % 5,
+        first_position=17 * seed,
+        last=seed % 2 == 0,
+    )
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor, groups: int) -> torch.Tensor:
+    """Relative L2 error per token and layer."""
+    a, b = a.float().reshape(len(a), groups, -1), b.float().reshape(len(b), groups, -1)
+    return (a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    d=st.sampled_from([64, 128, 576, 48]),  # 48: not a multiple of the group, stored as bf16
+    codec=st.sampled_from(CODECS),
+    zstd=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 1000),
+)
+def test_round_trip(m: int, d: int, codec: str, zstd: bool, dtype: torch.dtype, seed: int) -> None:
+    rec = _record(m, d, dtype, seed)
+    out = decode(encode(rec, codec, zstd), expect_fingerprint=FP)
+    for name in (
+        "target_fingerprint",
+        "draft_version",
+        "workload",
+        "request_id",
+        "chunk",
+        "first_position",
+        "last",
+    ):
+        assert getattr(out, name) == getattr(rec, name), name
+    assert out.created_at == rec.created_at
+    assert torch.equal(out.tokens, rec.tokens) and torch.equal(out.prefill, rec.prefill)
+    assert out.aux.shape == rec.aux.shape and out.hidden.shape == rec.hidden.shape
+    if codec == "bf16" or d % 64:
+        assert torch.equal(out.aux, rec.aux.to(torch.bfloat16))
+        assert torch.equal(out.hidden, rec.hidden.to(torch.bfloat16))
+        return
+    # group-wise scales: every token and layer keeps its own precision, outliers or not
+    bound = 0.02 if codec == "int8-g64" else 0.08
+    assert _rel_err(rec.aux, out.aux, 3).max() < bound
+    assert _rel_err(rec.hidden, out.hidden, 1).max() < bound
+
+
+def test_quantized_codecs_are_smaller_and_a_chunk_fits_a_kafka_message() -> None:
+    rec = _record(128, 576)
+    sizes = {c: len(encode(rec, c)) for c in CODECS}
+    assert sizes["int8-g64"] < 0.7 * sizes["bf16"] and sizes["fp8-g64"] < 0.7 * sizes["bf16"]
+    assert sizes["bf16"] < 1_000_000  # 128 positions of SmolLM2-135M under the broker's default limit
+
+
+def test_bad_bytes_get_a_clear_error_type() -> None:
+    blob = encode(_record(8, 64), "int8-g64", zstd=False)
+    packed = encode(_record(64, 576), "bf16", zstd=True)
+    for bad in (
+        b"",
+        b"garbage" * 10,
+        blob[: len(blob) // 2],
+        blob[:20],
+        packed[:-100],
+        b"\x28\xb5\x2f\xfd" + b"\x00" * 40,
+    ):
+        with pytest.raises(CorruptRecord):
+            decode(bad, FP)
+    with pytest.raises(ForeignTarget):
+        decode(blob, "0" * 64)
+    future = st_save({"tokens": torch.zeros(2, dtype=torch.int32)}, metadata={"schema": "99"})
+    with pytest.raises(SchemaMismatch):
+        decode(future, FP)
+    missing = st_save(
+        {"tokens": torch.zeros(2, dtype=torch.int32)},
+        metadata={"schema": "1", "codec": "bf16", "target_fingerprint": FP},
+    )
+    with pytest.raises(CorruptRecord):
+        decode(missing, FP)
+    assert issubclass(ForeignTarget, RecordError) and issubclass(SchemaMismatch, RecordError)
+    with pytest.raises(ValueError, match="inconsistent"):
+        HiddenStateRecord(torch.zeros(3), torch.zeros(3, 6), torch.zeros(3, 2), torch.zeros(3, dtype=torch.bool),
+                          FP, "v", "w", "r", 0, 0, True)  # fmt: skip
