@@ -84,7 +84,7 @@ class RecordPublisher:
                 "logger": log,  # librdkafka's complaints go through logging, not raw stderr
             }
         )
-        self.admin = AdminClient({"bootstrap.servers": cfg.bootstrap, "logger": log})
+        self.admin = AdminClient({"bootstrap.servers": cfg.bootstrap, "logger": log})  # type: ignore[dict-item]
         self._topics: set[str] = set()
         self._topic_retry_at = 0.0
         self._events: queue.Queue[TapEvent | None] = queue.Queue(cfg.queue_events)

@@ -38,3 +38,24 @@ def test_bench_spec_report(trained_draft_dir: Path, tmp_path: Path) -> None:
     assert 0 <= r["greedy_match_rate"] <= 1 and r["dtype"] == "bfloat16" and r["batch_size"] == 2
     assert len(r["divergence_top2_logit_gaps"]) == round((1 - r["greedy_match_rate"]) * r["prompts"])
     assert r["predicted_speedup"] > 0 and 0 <= r["tap_overhead"] < 1
+
+
+def test_bench_records_report(tmp_path: Path) -> None:
+    out = tmp_path / "records.json"
+    args = ["bench", "records", "--prompts", str(WORKLOADS / "chat_fr.jsonl"), "--limit", "5",
+            "--max-new-tokens", "24", "--train-steps", "4", "--out", str(out), "--plot", str(tmp_path / "r.png")]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    r = json.loads(out.read_text())
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert set(r["codecs"]) == {"bf16", "int8-g64", "fp8-g64"}
+    raw = r["raw_bf16_bytes_per_token"]
+    assert raw > 4 * 576 * 2  # three aux states and the final one, in bf16, per position
+    bf16, int8, fp8 = (r["codecs"][c] for c in ("bf16", "int8-g64", "fp8-g64"))
+    assert bf16["lossless"] and bf16["rel_error_p95"] == 0 and bf16["draft_tau_ratio"] == 1.0
+    for q in (int8, fp8):
+        assert q["bytes_per_token"] < 0.6 * raw and not q["lossless"]
+        assert 0 < q["rel_error_median"] <= q["rel_error_p95"] < 0.1
+        assert q["target_kl"] >= 0 and q["draft_tau_ratio"] > 0
+    assert r["tokens_per_s_on"] > 0 and r["tokens_per_s_off"] > 0 and r["records_published"] > 0
+    assert -1 < r["capture_overhead"] < 1

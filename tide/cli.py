@@ -233,5 +233,39 @@ def bench_spec(
     typer.echo(f"report: {out}")
 
 
+@bench_app.command("records")
+def bench_records(
+    prompts: Path = typer.Option(..., "--prompts"),
+    out: Path = typer.Option(Path("out/bench_records.json"), "--out"),
+    limit: int = typer.Option(32, "--limit", help="prompts the target answers"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    codecs: str = typer.Option(",".join(("bf16", "int8-g64", "fp8-g64")), "--codecs"),
+    train_steps: int = typer.Option(200, "--train-steps", help="training steps per draft compared"),
+    model: str | None = typer.Option(None, "--model"),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG: bytes, error and draft quality per codec"),
+) -> None:
+    """Record codecs: bytes per token, fidelity, draft quality; and capture's cost to serving."""
+    from tide.bench.records import RecordsBenchConfig, plot_records_report, run_records_bench
+    from tide.producers.records import CODECS
+
+    chosen = tuple(c.strip() for c in codecs.split(",") if c.strip())
+    if not chosen or any(c not in CODECS for c in chosen):
+        raise typer.BadParameter(f"choose from {', '.join(CODECS)}", param_hint="--codecs")
+    cfg = RecordsBenchConfig(prompts, limit, max_new_tokens, chosen, train_steps, model=model)
+    with _clear_errors():
+        report = run_records_bench(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    keep = ("bytes_per_token", "rel_error_median", "rel_error_p95", "target_kl", "draft_tau_ratio")
+    brief = {c: {k: round(r[k], 4) for k in keep} for c, r in report["codecs"].items()}
+    brief["raw_bf16_bytes_per_token"] = round(report["raw_bf16_bytes_per_token"], 1)
+    brief["capture_overhead"] = round(report["capture_overhead"], 4)
+    typer.echo(json.dumps(brief, indent=2))
+    if plot is not None:
+        plot_records_report(report, plot)
+        typer.echo(f"plot: {plot}")
+    typer.echo(f"report: {out}")
+
+
 if __name__ == "__main__":
     app()

@@ -125,13 +125,15 @@ def train(
         if best is None or m.tau[-1] > best[0]:
             best = (m.tau[-1], {k: v.clone() for k, v in draft.state_dict().items()})
 
-    total_s = max(1.0, deadline - time.monotonic())
-    with tqdm(total=round(total_s), desc="training draft", unit="s") as bar:
+    # the bar counts steps when their number is fixed, seconds of the budget otherwise
+    by_steps = cfg.max_steps > 0
+    total = cfg.max_steps if by_steps else round(max(1.0, deadline - time.monotonic()))
+    with tqdm(total=total, desc="training draft", unit="step" if by_steps else "s") as bar:
         start = time.monotonic()
-        while time.monotonic() < deadline and not (cfg.max_steps and trainer.steps >= cfg.max_steps):
+        while time.monotonic() < deadline and not (by_steps and trainer.steps >= cfg.max_steps):
             loss = trainer.step(random.sample(train_set, min(tcfg.batch_size, len(train_set))))
             bar.set_postfix(loss=f"{loss:.3f}", step=trainer.steps)
-            bar.n = min(round(time.monotonic() - start), bar.total)
+            bar.n = min(trainer.steps if by_steps else round(time.monotonic() - start), bar.total)
             bar.refresh()
             if trainer.steps % cfg.eval_every == 0:
                 checkpoint()

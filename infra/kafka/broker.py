@@ -184,9 +184,8 @@ class KafkaBroker:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._ports()
         config = self._properties()
-        if not (
-            self.data_dir / "logs" / "meta.properties"
-        ).exists():  # format once, so restarts keep the data
+        # format only once, so a restart (or a later run on the same data dir) keeps topics and offsets
+        if not (self.data_dir / "logs" / "meta.properties").exists():
             fmt = self._java(jars, "kafka.tools.StorageTool", "format", "--standalone",
                              "-t", _cluster_id(), "-c", str(config))  # fmt: skip
             res = subprocess.run(fmt, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,212 @@
+"""`tide bench records`: what each record codec costs in bytes, in fidelity, and in draft quality;
+and what capture with publishing costs the serving engine.
+
+The target answers the prompts once; its tapped states are the raw data. Each codec's records are
+encoded and decoded exactly as they travel through Kafka. Fidelity is judged three ways: relative
+L2 error per token and layer, KL between the target's next-token distribution from the original
+and from the decoded final state, and — what matters — the held-out τ of a draft trained on decoded
+records over one trained on the raw ones (same data, same order, same steps, same raw test set).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tide.infra.kafka.broker import KafkaBroker
+from tide.models.loader import Target, load_target
+from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.producers.records import CODECS, HiddenStateRecord, decode, encode
+from tide.prompts import Prompt, load_prompts, split
+from tide.serving.engine import Engine, EngineConfig
+from tide.serving.sampling import SamplingParams
+from tide.trainers.bootstrap import BootstrapConfig, collect, train
+from tide.trainers.ttt import Example, TrainConfig, Trainer
+
+CHUNK = 128
+
+
+@dataclass
+class RecordsBenchConfig:
+    prompts: Path
+    limit: int = 32
+    max_new_tokens: int = 128
+    codecs: tuple[str, ...] = CODECS
+    train_steps: int = 200
+    overhead_rounds: int = 4
+    model: str | None = None
+
+
+def _records(ex: Example, fingerprint: str) -> list[HiddenStateRecord]:
+    """An example cut into records as the publisher cuts a request (the last token is not kept)."""
+    n = len(ex.aux)
+    tokens = torch.cat([ex.tokens, ex.tokens[-1:]])
+    return [
+        HiddenStateRecord(
+            tokens=tokens[s : min(n, s + CHUNK) + 1],
+            aux=ex.aux[s : s + CHUNK],
+            hidden=ex.hidden[s : s + CHUNK],
+            prefill=torch.arange(s, min(n, s + CHUNK)) < ex.learn_from,
+            target_fingerprint=fingerprint,
+            draft_version="bench",
+            workload="bench",
+            request_id="r",
+            chunk=i,
+            first_position=s,
+            last=s + CHUNK >= n,
+        )
+        for i, s in enumerate(range(0, n, CHUNK))
+    ]
+
+
+def _rel_errors(orig: Example, dec: Example, d: int) -> torch.Tensor:
+    """Relative L2 error per token for each aux layer and the final state: (n, 4)."""
+    a = torch.cat([orig.aux.float().reshape(len(orig.aux), 3, d), orig.hidden.float().unsqueeze(1)], 1)
+    b = torch.cat([dec.aux.float().reshape(len(dec.aux), 3, d), dec.hidden.float().unsqueeze(1)], 1)
+    return (a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-6)
+
+
+def _kl(orig: torch.Tensor, dec: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """KL(target from original state || target from decoded state) per token."""
+    out = []
+    for a, b in zip(orig.split(256), dec.split(256), strict=True):
+        la = torch.log_softmax(a.float() @ lm_head.T, -1)
+        lb = torch.log_softmax(b.float() @ lm_head.T, -1)
+        out.append((la.exp() * (la - lb)).sum(-1))
+    return torch.cat(out)
+
+
+def _held_out_tau(target: Target, train_set: list[Example], test_set: list[Example], steps: int) -> float:
+    cfg = BootstrapConfig(budget_minutes=10**6, max_steps=steps, eval_every=10**9)
+    draft, _ = train(target, train_set, cfg, time.monotonic() + 10**9, "bench")
+    lm_head = target.model.lm_head.weight.detach().float()
+    return Trainer(draft, lm_head, TrainConfig()).evaluate(test_set).tau[-1]
+
+
+def _capture_overhead(target: Target, prompts: list[list[int]], cfg: RecordsBenchConfig) -> dict[str, float]:
+    """Engine tokens/s with capture+publishing to a real broker vs without, rounds interleaved."""
+    params = SamplingParams(max_tokens=cfg.max_new_tokens, ignore_eos=True)
+    seconds = {"off": 0.0, "on": 0.0}
+    tokens = {"off": 0, "on": 0}
+    with tempfile.TemporaryDirectory() as tmp, KafkaBroker(Path(tmp)) as broker:
+        publisher = RecordPublisher(PublisherConfig(broker.bootstrap, "int8-g64"), target.fingerprint)
+        engines = {
+            "off": Engine(target, None, EngineConfig(max_batch=4, max_model_len=2048, gamma=0)),
+            "on": Engine(target, None, EngineConfig(max_batch=4, max_model_len=2048, gamma=0), tap=publisher),
+        }
+        for r in tqdm(range(cfg.overhead_rounds * 2), desc="capture overhead", unit="round"):
+            mode = ("off", "on")[(r + r // 2) % 2]  # off,on,on,off,...: neither always goes first
+            start = time.perf_counter()
+            seqs = engines[mode].generate(prompts, params)
+            seconds[mode] += time.perf_counter() - start
+            tokens[mode] += sum(len(s.output) for s in seqs)
+        publisher.close()
+        stats = publisher.stats
+    off, on = tokens["off"] / seconds["off"], tokens["on"] / seconds["on"]
+    return {
+        "tokens_per_s_off": off,
+        "tokens_per_s_on": on,
+        "capture_overhead": 1 - on / off,
+        "records_published": stats.records_published,
+        "records_lost": stats.records_dropped + stats.records_failed + stats.events_dropped,
+    }
+
+
+def run_records_bench(cfg: RecordsBenchConfig) -> dict[str, Any]:
+    target = load_target(cfg.model, torch.bfloat16)
+    chosen: list[Prompt] = split(load_prompts(cfg.prompts), "all")[: cfg.limit]
+    boot = BootstrapConfig(max_new_tokens=cfg.max_new_tokens)
+    examples = collect(target, chosen, boot, time.monotonic() + 10**9)
+    d = target.config.hidden_size
+    lm_head = target.model.lm_head.weight.detach().float()
+    positions = sum(len(e.aux) for e in examples)
+    cut = max(1, len(examples) * 4 // 5)
+    test_raw = examples[cut:]
+
+    raw_bytes = sum(
+        len(encode(r, "bf16", zstd=False)) for e in examples for r in _records(e, target.fingerprint)
+    )
+    report: dict[str, Any] = {
+        "prompts": len(examples),
+        "positions": positions,
+        "raw_bf16_bytes_per_token": raw_bytes / positions,
+        "train_steps": cfg.train_steps,
+        "codecs": {},
+    }
+    tau_raw = _held_out_tau(target, examples[:cut], test_raw, cfg.train_steps)
+    report["tau_raw"] = tau_raw
+    for codec in tqdm(cfg.codecs, desc="codecs", unit="codec"):
+        size, decoded, errors, kls = 0, [], [], []
+        for ex in examples:
+            parts = []
+            for rec in _records(ex, target.fingerprint):
+                blob = encode(rec, codec)
+                size += len(blob)
+                parts.append(decode(blob, target.fingerprint))
+            dec = replace(
+                ex,
+                aux=torch.cat([p.aux for p in parts]),
+                hidden=torch.cat([p.hidden for p in parts]),
+            )
+            dec = Example.make(dec.tokens, dec.aux, dec.hidden, lm_head, ex.learn_from)
+            decoded.append(dec)
+            errors.append(_rel_errors(ex, dec, d).flatten())
+            kls.append(_kl(ex.hidden, dec.hidden, lm_head))
+        err = torch.cat(errors)
+        lossless = all(
+            torch.equal(a.aux, b.aux) and torch.equal(a.hidden, b.hidden)
+            for a, b in zip(examples, decoded, strict=True)
+        )
+        # identical training data trains an identical draft: no need to spend the time again
+        tau = tau_raw if lossless else _held_out_tau(target, decoded[:cut], test_raw, cfg.train_steps)
+        report["codecs"][codec] = {
+            "bytes_per_token": size / positions,
+            "compression_vs_raw_bf16": raw_bytes / size,
+            "rel_error_median": float(err.median()),
+            "rel_error_p95": float(err.quantile(0.95)),
+            "target_kl": float(torch.cat(kls).mean()),
+            "tau": tau,
+            "draft_tau_ratio": tau / tau_raw,
+            "lossless": lossless,
+        }
+    prompts = [p.token_ids(target.tok) for p in chosen[:8]]
+    report.update(_capture_overhead(target, prompts, cfg))
+    return report
+
+
+def plot_records_report(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    codecs = list(report["codecs"])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    values = [
+        (
+            [report["raw_bf16_bytes_per_token"]] + [report["codecs"][c]["bytes_per_token"] for c in codecs],
+            "bytes per token",
+        ),
+        (
+            [0.0] + [report["codecs"][c]["rel_error_p95"] for c in codecs],
+            "relative error, p95 (token × layer)",
+        ),
+        ([1.0] + [report["codecs"][c]["draft_tau_ratio"] for c in codecs], "draft τ ratio (decoded / raw)"),
+    ]
+    labels = ["raw bf16", *codecs]
+    for ax, (ys, title) in zip(axes, values, strict=True):
+        ax.bar(labels, ys, color=["#999999"] + ["#3b7dd8"] * len(codecs))
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle(
+        f"record codecs on {report['positions']} positions; capture overhead {report['capture_overhead']:.1%}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
