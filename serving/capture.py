@@ -30,10 +30,30 @@ class CaptureRule:
             raise ValueError(f"capture fraction must be in [0, 1], got {self.fraction}")
 
 
+def parse_rules(spec: str) -> dict[str, CaptureRule]:
+    """'code=on,chat_fr=0.25,*=off' -> rules; '*' is the rule for workloads without one."""
+    rules: dict[str, CaptureRule] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"capture rule {item!r}: expected WORKLOAD=on|off|FRACTION")
+        if name != "*":
+            check_workload(name)
+        if value in ("on", "off"):
+            rules[name] = CaptureRule(enabled=value == "on")
+        else:
+            try:
+                rules[name] = CaptureRule(enabled=True, fraction=float(value))
+            except ValueError:
+                raise ValueError(f"capture rule {item!r}: expected on, off or a fraction in [0, 1]") from None
+    return rules
+
+
 class CapturePolicy:
-    def __init__(self, fallback: CaptureRule | None = None, seed: int = 0):
-        self.fallback = fallback or CaptureRule()  # for workloads without a rule of their own
-        self.rules: dict[str, CaptureRule] = {}
+    def __init__(self, rules: dict[str, CaptureRule] | None = None, seed: int = 0):
+        rules = dict(rules or {})
+        self.fallback = rules.pop("*", CaptureRule())  # for workloads without a rule of their own
+        self.rules: dict[str, CaptureRule] = rules
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
 

@@ -170,6 +170,9 @@ def serve(
     ),
     codec: str = typer.Option("int8-g64", "--codec", help="record codec: bf16, int8-g64 or fp8-g64"),
     chunk_positions: int = typer.Option(128, "--chunk-positions", help="positions per Kafka record at most"),
+    capture: str = typer.Option(
+        "*=on", "--capture", help="capture rules, e.g. 'code=on,chat=0.25,*=off' (also at /admin/capture)"
+    ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """OpenAI-compatible HTTP server over the speculative engine."""
@@ -178,9 +181,14 @@ def serve(
     from tide.producers.publisher import PublisherConfig
     from tide.producers.records import CODECS
     from tide.serving.api import ServerConfig, build_app
+    from tide.serving.capture import CapturePolicy, parse_rules
 
     if codec not in CODECS:
         raise typer.BadParameter(f"choose one of {', '.join(CODECS)}", param_hint="--codec")
+    try:
+        policy = CapturePolicy(parse_rules(capture))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--capture") from None
     from tide.serving.engine import EngineConfig
 
     _setup_logging(verbose)
@@ -190,7 +198,9 @@ def serve(
             draft,
             _dtype(dtype),
             EngineConfig(max_batch=max_batch, max_model_len=max_model_len, gamma=gamma),
-            ServerConfig(admin_token=admin_token, max_queue=max_queue, max_body_bytes=max_body_bytes),
+            ServerConfig(
+                admin_token=admin_token, max_queue=max_queue, max_body_bytes=max_body_bytes, capture=policy
+            ),
             PublisherConfig(kafka, codec, chunk_positions) if kafka else None,
         )
     uvicorn.run(api, host=host, port=port, log_level="info")

@@ -1,0 +1,25 @@
+"""Capture rules per workload: from the command line, changed at run time, the client's opt-out wins."""
+
+from __future__ import annotations
+
+import pytest
+
+from tide.serving.capture import CapturePolicy, CaptureRule, parse_rules
+
+
+def test_rules_from_the_command_line() -> None:
+    policy = CapturePolicy(parse_rules("code=on, chat_fr=0.25, *=off"), seed=1)
+    assert policy.rule("code") == CaptureRule(True, 1.0)
+    assert policy.rule("unknown") == CaptureRule(False, 1.0)
+    share = sum(policy.decide("chat_fr", opted_out=False) for _ in range(2000)) / 2000
+    assert 0.2 < share < 0.3
+    assert not any(policy.decide("code", opted_out=True) for _ in range(50))
+    assert not any(policy.decide("unknown", opted_out=False) for _ in range(50))
+    policy.set("unknown", CaptureRule(True, 1.0))
+    assert all(policy.decide("unknown", opted_out=False) for _ in range(50))
+
+
+@pytest.mark.parametrize("spec", ["code", "code=maybe", "code=1.5", "Bad Name=on"])
+def test_bad_rules_say_why(spec: str) -> None:
+    with pytest.raises(ValueError, match=r"capture rule|fraction|workload name"):
+        parse_rules(spec)
