@@ -53,7 +53,6 @@ class _PublisherCollector(Collector):
                 s.records_dropped,
             ),
             ("tide_capture_records_failed", "Records the broker never acknowledged", s.records_failed),
-            ("tide_capture_events_dropped", "Tap events dropped: publisher queue full", s.events_dropped),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 
