@@ -51,6 +51,7 @@ class RecordConsumer:
                 "group.id": group_id,
                 "auto.offset.reset": "earliest",
                 "enable.auto.commit": False,  # offsets are committed by whoever made the records durable
+                "session.timeout.ms": 10_000,  # a crashed trainer's partitions free up in seconds
                 "fetch.max.bytes": max(52_428_800, topics.max_message_bytes),
                 "max.partition.fetch.bytes": max(1_048_576, topics.max_message_bytes),
                 "logger": log,
@@ -100,6 +101,15 @@ class RecordConsumer:
             self.consumer.commit(
                 offsets=[TopicPartition(t, p, o + 1) for (t, p), o in last.items()], asynchronous=False
             )
+
+    def commit_offsets(self, offsets: dict[str, int]) -> None:
+        """Commit {"topic:partition": next offset} synchronously."""
+        parts = []
+        for where, offset in offsets.items():
+            topic, _, partition = where.rpartition(":")
+            parts.append(TopicPartition(topic, int(partition), offset))
+        if parts:
+            self.consumer.commit(offsets=parts, asynchronous=False)
 
     def close(self) -> None:
         self.consumer.close()

@@ -193,3 +193,12 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
     """A real single-node Kafka broker (KRaft) from the Maven Central jars, for the whole session."""
     with KafkaBroker(tmp_path_factory.mktemp("kafka")) as broker:
         yield broker
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server (sqlite, local artifacts, job workers off); yields its URL."""
+    from tide.infra.mlflow.server import MlflowServer
+
+    with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server.url

@@ -146,6 +146,81 @@ def draft_ensure_default(
     typer.echo(f"default draft trained: {out}")
 
 
+@app.command("train")
+def train_online(
+    kafka: str = typer.Option(..., "--kafka", help="bootstrap servers of the broker holding the records"),
+    workload: str = typer.Option(..., "--workload"),
+    mlflow: str | None = typer.Option(
+        None, "--mlflow", help="tracking URI: runs and candidate versions go there"
+    ),
+    model: str | None = typer.Option(
+        None, "--model", help="the target (only its embedding and LM head are read)"
+    ),
+    start_draft: Path | None = typer.Option(
+        None, "--start-draft", help="default: the workload's champion in MLflow, else the default draft"
+    ),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="checkpoints (default: under the cache)"),
+    max_steps: int = typer.Option(0, "--max-steps", help="stop after this many steps (0: run until stopped)"),
+    idle_seconds: float = typer.Option(
+        0, "--idle-seconds", help="stop after this long without records (0: never)"
+    ),
+    eval_every: int = typer.Option(50, "--eval-every"),
+    checkpoint_every: int = typer.Option(50, "--checkpoint-every"),
+    publish_every: int = typer.Option(500, "--publish-every"),
+    vocab_warmup: int = typer.Option(
+        2048, "--vocab-warmup", help="positions read before the vocabulary refit"
+    ),
+    verbose: bool = typer.Option(False, "--verbose"),
+) -> None:
+    """Train a workload's draft from its Kafka topic; publish candidates to MLflow."""
+    from dataclasses import asdict
+
+    from tide.config import cache_dir
+    from tide.models.loader import load_head
+    from tide.serving.capture import check_workload
+    from tide.trainers.mlflow_sink import MlflowSink, champion_folder
+    from tide.trainers.online import OnlineConfig, OnlineTrainer, WorkloadTaken
+
+    _setup_logging(verbose)
+    try:
+        check_workload(workload)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--workload") from None
+    with _clear_errors():
+        head = load_head(model)
+        state = state_dir or cache_dir() / "trainers" / head.fingerprint[:12] / workload
+        cfg = OnlineConfig(
+            kafka, workload, state, eval_every=eval_every, checkpoint_every=checkpoint_every,
+            publish_every=publish_every, vocab_warmup_positions=vocab_warmup,
+        )  # fmt: skip
+        sink = None
+        if mlflow:
+            params = {k: v for k, v in asdict(cfg).items() if k != "train"}
+            sink = MlflowSink(mlflow, workload, head.fingerprint, params)
+        start = (
+            start_draft
+            or (champion_folder(sink, state) if sink else None)
+            or default_draft_dir(head.fingerprint)
+        )
+        if not (start / "model.safetensors").exists():
+            raise typer.BadParameter(
+                f"no draft at {start}: run `tide draft ensure-default`", param_hint="--start-draft"
+            )
+        try:
+            trainer = OnlineTrainer(cfg, head, start, sink, sink.log_step if sink else None)
+        except WorkloadTaken as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        try:
+            ledger = trainer.run(max_steps or None, idle_seconds or None)
+        finally:
+            trainer.close()
+            if sink is not None:
+                sink.close()
+    typer.echo(json.dumps({"steps": ledger.steps, "records": ledger.records, "redeliveries": ledger.redeliveries,
+                           "skipped": ledger.skipped, "candidates": ledger.candidates, "best_tau": ledger.best_tau}))  # fmt: skip
+
+
 @app.command("serve")
 def serve(
     model: str | None = typer.Option(

@@ -245,10 +245,10 @@ def build_model(cfg: LlamaConfig, weights: dict[str, np.ndarray]) -> LlamaModel:
     return model.eval()
 
 
-def load_target(
-    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.bfloat16, pack: bool = True
-) -> Target:
-    """Load, fingerprint and (for inference) prepack a target; `pack=False` keeps plain nn.Linear layers."""
+def _read(
+    path: str | os.PathLike[str] | None,
+) -> tuple[Path, LlamaConfig, dict[str, np.ndarray], Tokenizer, str]:
+    """Weights, config, tokenizer and fingerprint of a GGUF file or HF folder (default: the bundled model)."""
     p = Path(path) if path else default_model_path()
     if not p.exists():
         raise ModelLoadError(f"model not found: {p}")
@@ -261,8 +261,35 @@ def load_target(
     tokenizer = Tokenizer.load(p)
     if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:
         cfg = LlamaConfig.from_dict({**cfg.to_dict(), "eos_token_ids": [tokenizer.eos_token_id]})
-    fp = fingerprint(cfg, tokenizer, weights)
+    return p, cfg, weights, tokenizer, fingerprint(cfg, tokenizer, weights)
+
+
+def load_target(
+    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.bfloat16, pack: bool = True
+) -> Target:
+    """Load, fingerprint and (for inference) prepack a target; `pack=False` keeps plain nn.Linear layers."""
+    p, cfg, weights, tokenizer, fp = _read(path)
     model = build_model(cfg, weights).to(dtype)
     if pack:
         pack_linears(model)
     return Target(model, tokenizer, fp, p)
+
+
+@dataclass
+class TargetHead:
+    """What a trainer needs of the target: its embedding (draft input) and LM head (draft labels)."""
+
+    config: LlamaConfig
+    embed: torch.nn.Embedding  # frozen, fp32
+    lm_head: torch.Tensor  # (vocab, d) fp32
+    fingerprint: str
+    path: Path
+
+
+def load_head(path: str | os.PathLike[str] | None = None) -> TargetHead:
+    """The target's embedding and LM head only: trainers never build the decoder layers."""
+    p, cfg, weights, _, fp = _read(path)
+    embed = torch.from_numpy(np.array(weights["model.embed_tokens.weight"], dtype=np.float32))
+    name = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+    lm_head = torch.from_numpy(np.array(weights[name], dtype=np.float32))
+    return TargetHead(cfg, torch.nn.Embedding.from_pretrained(embed, freeze=True), lm_head, fp, p)

@@ -1,0 +1,160 @@
+"""The online trainer against a real broker and a real MLflow server: candidates with their evidence,
+a vocabulary fitted to the workload, and nothing lost or trained twice across a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from confluent_kafka import Consumer, TopicPartition
+from mlflow import MlflowClient
+
+from tide.infra.kafka.broker import KafkaBroker
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.loader import Target, load_head
+from tide.producers.consumer import RecordConsumer
+from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.prompts import load_prompts
+from tide.serving.engine import Engine, EngineConfig
+from tide.serving.sampling import SamplingParams
+from tide.trainers.checkpoint import load_checkpoint
+from tide.trainers.mlflow_sink import MlflowSink, model_name
+from tide.trainers.online import OnlineConfig, OnlineTrainer
+
+from .conftest import WORKLOADS
+
+
+def _serve_into_kafka(target: Target, bootstrap: str, workload: str, prompt_file: str, n: int) -> set[str]:
+    """The target answers n prompts with capture on; returns the (request id, chunk) keys in the topic."""
+    publisher = RecordPublisher(
+        PublisherConfig(bootstrap, "int8-g64", chunk_positions=48), target.fingerprint
+    )
+    engine = Engine(target, None, EngineConfig(max_batch=8, max_model_len=512, gamma=0), tap=publisher)
+    prompts = [p.token_ids(target.tok)[-200:] for p in load_prompts(WORKLOADS / prompt_file)[:n]]
+    for p in prompts:
+        engine.add(p, SamplingParams(max_tokens=64), workload=workload)
+    while engine.has_work:
+        engine.step()
+    publisher.close()
+    assert publisher.stats.records_dropped == publisher.stats.records_failed == 0
+    reader = RecordConsumer(bootstrap, [workload], f"check-{uuid.uuid4().hex[:6]}", target.fingerprint)
+    keys: set[str] = set()
+    idle = time.monotonic()
+    while time.monotonic() - idle < 5:
+        for c in reader.poll(64, 1.0):
+            keys.add(f"{c.record.request_id}:{c.record.chunk}")
+            idle = time.monotonic()
+    reader.close()
+    assert len(keys) == publisher.stats.records_published
+    return keys
+
+
+def test_trainer_publishes_candidates_with_their_evidence(
+    kafka: KafkaBroker, mlflow_server: str, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
+) -> None:
+    workload = f"fr-{uuid.uuid4().hex[:6]}"
+    published = _serve_into_kafka(target_bf16, kafka.bootstrap, workload, "chat_fr.jsonl", 24)
+    head = load_head()
+    cfg = OnlineConfig(kafka.bootstrap, workload, tmp_path / "state", eval_every=4, checkpoint_every=8,
+                       publish_every=16, vocab_warmup_positions=512)  # fmt: skip
+    sink = MlflowSink(mlflow_server, workload, head.fingerprint, {"batch_size": cfg.batch_size})
+    trainer = OnlineTrainer(cfg, head, trained_draft_dir, sink, sink.log_step)
+    ledger = trainer.run(idle_seconds=5)
+    trainer.close()
+    sink.close()
+    assert ledger.trained == published and ledger.records == len(published) and ledger.redeliveries == 0
+    assert ledger.candidates >= 1 and ledger.steps > 0
+
+    client = MlflowClient(mlflow_server)
+    versions = client.search_model_versions(f"name = '{model_name(head.fingerprint, workload)}'")
+    assert len(versions) == ledger.candidates
+    run = client.get_run(sink.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["batch_size"] == "4"
+    assert len(client.get_metric_history(sink.run_id, "tau")) >= 2  # metrics over steps
+    v = max(versions, key=lambda v: int(v.version))
+    tags = v.tags
+    assert tags["workload"] == workload and tags["target_fingerprint"] == head.fingerprint
+    assert int(tags["records_consumed"]) > 0 and f"tide.hidden.{workload}:" in tags["offset_range"]
+    # the artifact is the draft folder with both exports, and the tags hold each file's sha256
+    local = Path(
+        client.download_artifacts(str(v.run_id), str(v.source).split("/", 2)[2], str(tmp_path / "dl"))
+    )
+    import hashlib
+
+    for name in ("config.json", "model.safetensors", "sglang/model.safetensors", "speculators/config.json"):
+        assert tags[f"sha256.{name}"] == hashlib.sha256((local / name).read_bytes()).hexdigest(), name
+    # the vocabulary was refitted to French: it covers more of the workload's output than the code draft
+    start = Eagle3Draft.load(trained_draft_dir, head.embed, head.config, head.fingerprint, torch.float32)
+    cand = Eagle3Draft.load(local, head.embed, head.config, head.fingerprint, torch.float32)
+    ckpt = load_checkpoint(tmp_path / "state" / "checkpoints")
+    assert ckpt is not None
+    words = torch.cat([e.tokens[e.learn_from :] for e in ckpt.replay + ckpt.held_out])
+    assert cand.t2d[words].float().mean() > start.t2d[words].float().mean() + 0.1
+    kept = set(start.target_ids().tolist()) & set(cand.target_ids().tolist())
+    assert kept  # rows both vocabularies share were carried over, not re-learned
+
+
+def _train_process(
+    kafka: KafkaBroker, workload: str, state: Path, draft: Path, log: Path
+) -> subprocess.Popen[bytes]:
+    tide = Path(sys.executable).parent / "tide"
+    args = [str(tide), "train", "--kafka", kafka.bootstrap, "--workload", workload, "--state-dir", str(state),
+            "--start-draft", str(draft), "--checkpoint-every", "4", "--eval-every", "1000", "--idle-seconds", "8",
+            "--vocab-warmup", "256"]  # fmt: skip
+    with log.open("ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+
+def test_sigkill_loses_nothing_and_trains_nothing_twice(
+    kafka: KafkaBroker, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
+) -> None:
+    workload = f"kill-{uuid.uuid4().hex[:6]}"
+    published = _serve_into_kafka(target_bf16, kafka.bootstrap, workload, "code.jsonl", 32)
+    state, log = tmp_path / "state", tmp_path / "train.log"
+    proc = _train_process(kafka, workload, state, trained_draft_dir, log)
+    deadline = time.monotonic() + 240
+    ckpts = state / "checkpoints"
+    while True:  # wait for a checkpoint with some training in it, then kill without warning
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint in time:\n" + log.read_text()[-3000:]
+        c = load_checkpoint(ckpts) if (ckpts / "CURRENT").exists() else None
+        if c is not None and c.ledger.steps >= 4 and c.ledger.records < len(published):
+            break
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = load_checkpoint(ckpts)
+    assert before is not None and 0 < len(before.ledger.trained) < len(published)
+
+    assert _train_process(kafka, workload, state, trained_draft_dir, log).wait(300) == 0, log.read_text()[
+        -3000:
+    ]
+    after = load_checkpoint(ckpts)
+    assert after is not None
+    assert after.ledger.trained == published  # nothing lost
+    assert after.ledger.records == len(published)  # nothing counted (or trained) twice
+    assert after.ledger.steps > before.ledger.steps
+
+    # rewind the trainer's committed offsets: every record comes again, is recognised, and is not trained
+    group = f"tide-trainer.{workload}"
+    rewind = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": group})
+    rewind.commit(
+        offsets=[TopicPartition(f"tide.hidden.{workload}", p, 0) for p in range(3)], asynchronous=False
+    )
+    rewind.close()
+    assert _train_process(kafka, workload, state, trained_draft_dir, log).wait(300) == 0, log.read_text()[
+        -3000:
+    ]
+    again = load_checkpoint(ckpts)
+    assert again is not None
+    assert again.ledger.redeliveries >= len(published)
+    assert again.ledger.records == len(published) and again.ledger.steps == after.ledger.steps
+    summary = json.loads(log.read_text().strip().splitlines()[-1])
+    assert summary["redeliveries"] == again.ledger.redeliveries

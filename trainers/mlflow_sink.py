@@ -1,0 +1,111 @@
+"""Candidates into MLflow: one run per training session and workload, one model version per candidate.
+
+The registered model is `tide-draft-<first 12 hex of the target fingerprint>-<workload>` (DESIGN.md).
+Each version carries, as tags, what the gate and the serving nodes check: workload, offset range,
+records consumed, target fingerprint, draft version, and the sha256 of every file of the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+
+from tide.trainers.export import export_all
+from tide.trainers.online import Candidate
+
+log = logging.getLogger("tide.trainers")
+EXPERIMENT = "tide-drafts"
+
+
+def model_name(fingerprint: str, workload: str) -> str:
+    return f"tide-draft-{fingerprint[:12]}-{workload}"
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def champion_folder(sink: MlflowSink, state_dir: Path) -> Path | None:
+    """Download the workload's champion, if it has one, to start training from it."""
+    try:
+        mv = sink.client.get_model_version_by_alias(sink.name, "champion")
+    except Exception:  # no alias yet (MlflowException): the caller falls back to the default draft
+        return None
+    out = state_dir / "champion" / str(mv.version)
+    artifact = _artifact_path(mv.source or "")
+    if not (out / artifact / "model.safetensors").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        sink.client.download_artifacts(mv.run_id or "", artifact, str(out))
+    return out / artifact
+
+
+def _artifact_path(source: str) -> str:
+    # "runs:/<run id>/<path>" -> "<path>"
+    return source.split("/", 2)[2] if source.startswith("runs:/") else source
+
+
+class MlflowSink:
+    """Called by the trainer with each candidate; owns the session's MLflow run."""
+
+    def __init__(self, tracking_uri: str, workload: str, fingerprint: str, params: dict[str, Any]):
+        self.client = MlflowClient(tracking_uri)
+        self.workload = workload
+        self.fingerprint = fingerprint
+        self.name = model_name(fingerprint, workload)
+        exp = self.client.get_experiment_by_name(EXPERIMENT)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(EXPERIMENT)
+        run = self.client.create_run(
+            exp_id,
+            run_name=f"{workload}-{time.strftime('%Y%m%d-%H%M%S')}",
+            tags={"workload": workload, "target_fingerprint": fingerprint},
+        )
+        self.run_id = run.info.run_id
+        for k, v in params.items():
+            self.client.log_param(self.run_id, k, v)
+        if not self.client.search_registered_models(f"name = '{self.name}'"):
+            self.client.create_registered_model(
+                self.name, tags={"workload": workload, "target_fingerprint": fingerprint}
+            )
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self.client.log_metric(self.run_id, k, v, step=step)
+
+    def __call__(self, c: Candidate) -> None:
+        step = c.ledger.steps
+        metrics = {
+            "eval_loss": c.metrics.loss,
+            **{f"tau_gamma{i + 1}": t for i, t in enumerate(c.metrics.tau)},
+        }
+        metrics |= {f"top1_step{i + 1}": a for i, a in enumerate(c.metrics.top1)}
+        self.log_step(step, metrics)
+        export_all(c.folder)
+        artifact_path = f"candidates/{c.version}"
+        self.client.log_artifacts(self.run_id, str(c.folder), artifact_path)
+        offsets = {k: [c.ledger.first_offsets.get(k, 0), v] for k, v in sorted(c.ledger.offsets.items())}
+        tags = {
+            "workload": self.workload,
+            "target_fingerprint": self.fingerprint,
+            "draft_version": c.version,
+            "records_consumed": str(c.ledger.records),
+            "steps": str(step),
+            "offset_range": ";".join(f"{k}={a}..{b}" for k, (a, b) in offsets.items()),
+            "held_out_tau": f"{c.metrics.tau[-1]:.4f}",
+            **{f"sha256.{name}": digest for name, digest in file_hashes(c.folder).items()},
+        }
+        mv = self.client.create_model_version(
+            self.name, f"runs:/{self.run_id}/{artifact_path}", run_id=self.run_id, tags=tags
+        )
+        log.info("candidate %s registered as %s version %s", c.version, self.name, mv.version)
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status)

@@ -1,0 +1,255 @@
+"""The online trainer: one workload's records from Kafka → incremental EAGLE-3 training → candidates.
+
+It never loads the target's decoder layers: the draft's inputs (aux states, final states) come in
+the records, and the labels are the final state times the target's LM head. Training starts from
+the workload's champion (or the bootstrap draft), refits the draft vocabulary to the workload's
+tokens, and mixes each batch of new records with a replay buffer of earlier ones so the draft does
+not forget. Every record's training lands in a durable checkpoint before its offset is committed
+(see `checkpoint.py`). A held-out slice of the stream (by request id) measures the draft; a
+candidate is published when held-out τ improves or every `publish_every` steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from confluent_kafka.admin import AdminClient
+
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.loader import TargetHead
+from tide.producers.consumer import RecordConsumer
+from tide.producers.records import HiddenStateRecord
+from tide.trainers.checkpoint import Ledger, load_checkpoint, save_checkpoint
+from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, select_vocab
+
+log = logging.getLogger("tide.trainers")
+
+
+class WorkloadTaken(RuntimeError):
+    """Another trainer is already training this workload's draft."""
+
+
+@dataclass
+class OnlineConfig:
+    bootstrap: str
+    workload: str
+    state_dir: Path  # checkpoints and candidates of this workload
+    batch_size: int = 4  # new records per step; as many again come from the replay buffer
+    replay_size: int = 2000  # examples kept for replay (and saved with the checkpoint)
+    held_out_percent: int = 10  # requests whose records only ever evaluate
+    held_out_size: int = 200
+    vocab_warmup_positions: int = 2048  # positions read before the draft vocabulary is refitted
+    checkpoint_every: int = 50  # steps
+    eval_every: int = 50  # steps
+    publish_every: int = 500  # steps: publish even without improvement
+    poll_records: int = 64
+    train: TrainConfig | None = None
+
+
+@dataclass
+class Candidate:
+    folder: Path
+    version: str
+    metrics: Metrics
+    ledger: Ledger
+
+
+def example_of(r: HiddenStateRecord, lm_head: torch.Tensor) -> Example | None:
+    """A record as a training example; positions that predict prompt tokens are not learned from."""
+    m = r.num_positions
+    if m < 2:
+        return None
+    k = int(r.prefill.sum())
+    learn_from = k - 1 if k < m else m  # the last prompt position predicts the first completion token
+    return Example.make(r.tokens[:m], r.aux, r.hidden, lm_head, max(0, learn_from))
+
+
+def refit_vocab(draft: Eagle3Draft, ids: torch.Tensor, lm_head: torch.Tensor) -> None:
+    """New draft vocabulary: rows the draft already had are kept, new rows start from the target's head."""
+    old = {int(t): i for i, t in enumerate(draft.target_ids().tolist())}
+    with torch.no_grad():
+        fresh = lm_head[ids].to(draft.lm_head.weight.dtype).clone()
+        for row, t in enumerate(ids.tolist()):
+            if t in old:
+                fresh[row] = draft.lm_head.weight[old[t]]
+        draft.lm_head.weight.copy_(fresh)
+    draft.set_vocab(ids)
+
+
+def claim_workload(bootstrap: str, group: str, wait_s: float = 30.0) -> None:
+    """Refuse to start while the workload's consumer group has a live member: two trainers splitting
+    one workload's partitions would train two diverging copies of its draft. A member that died
+    (SIGKILL) stays listed until its session times out, so a restart waits for that first."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            desc = admin.describe_consumer_groups([group], request_timeout=10)[group].result(timeout=15)
+        except Exception:  # an unknown group is a free one
+            return
+        if not desc.members:
+            return
+        if time.monotonic() > deadline:
+            raise WorkloadTaken(f"consumer group {group} already has {len(desc.members)} live member(s)")
+        time.sleep(1.0)
+
+
+class OnlineTrainer:
+    def __init__(
+        self,
+        cfg: OnlineConfig,
+        head: TargetHead,
+        start_draft: Path,
+        publish: Callable[[Candidate], None] | None = None,
+        log_metrics: Callable[[int, dict[str, float]], None] | None = None,
+    ):
+        self.cfg = cfg
+        self.head = head
+        self.publish = publish
+        self.log_metrics = log_metrics
+        self._losses: list[float] = []
+        self.group = f"tide-trainer.{cfg.workload}"
+        claim_workload(cfg.bootstrap, self.group)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.lm_head = head.lm_head.to(self.device)
+        self.ckpt_dir = cfg.state_dir / "checkpoints"
+        resumed = load_checkpoint(self.ckpt_dir)
+        source = resumed.draft_dir if resumed else start_draft
+        self.draft = Eagle3Draft.load(source, head.embed, head.config, head.fingerprint, torch.float32)
+        self.ledger = resumed.ledger if resumed else Ledger()
+        self.replay: list[Example] = resumed.replay if resumed else []
+        self.held_out: list[Example] = resumed.held_out if resumed else []
+        self.vocab_fitted = resumed is not None
+        self.trainer = self._new_trainer()
+        if resumed and resumed.optimizer:
+            self.trainer.opt.load_state_dict(resumed.optimizer)
+        self.trainer.steps = self.ledger.steps
+        self.consumer = RecordConsumer(cfg.bootstrap, [cfg.workload], self.group, head.fingerprint)
+        self._waiting: list[Example] = []  # read before the vocabulary was refitted
+        self._last_checkpoint = self.ledger.steps
+        self._last_publish = self.ledger.steps
+        self._last_eval = self.ledger.steps
+        log.info(
+            "trainer for %s %s at step %d",
+            cfg.workload,
+            "resumed" if resumed else "started",
+            self.ledger.steps,
+        )
+
+    def _new_trainer(self) -> Trainer:
+        return Trainer(self.draft.to(self.device), self.lm_head, self.cfg.train or TrainConfig())
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, max_steps: int | None = None, idle_seconds: float | None = None,
+            stop: threading.Event | None = None) -> Ledger:  # fmt: skip
+        """Train until `max_steps`, until no record arrived for `idle_seconds`, or until `stop` is set."""
+        idle_since = time.monotonic()
+        while not (stop and stop.is_set()) and not (max_steps and self.ledger.steps >= max_steps):
+            fresh = self._read()
+            if fresh is None:
+                if idle_seconds is not None and time.monotonic() - idle_since > idle_seconds:
+                    break
+                continue
+            idle_since = time.monotonic()
+            self._train(fresh)
+            if self.ledger.steps - self._last_checkpoint >= self.cfg.checkpoint_every:
+                self.checkpoint()
+        self._train([], force=True)
+        if self.ledger.steps > self._last_eval:
+            self._evaluate()  # the last steps count too
+        self.checkpoint()
+        return self.ledger
+
+    def _read(self) -> list[Example] | None:
+        """New examples from the next poll ([] when all were duplicates or held out; None when idle)."""
+        consumed = self.consumer.poll(self.cfg.poll_records, 1.0)
+        self.ledger.skipped = self.consumer.stats.skipped
+        if not consumed:
+            return None
+        fresh: list[Example] = []
+        for c in consumed:
+            where = f"{c.topic}:{c.partition}"
+            self.ledger.offsets[where] = max(self.ledger.offsets.get(where, 0), c.offset + 1)
+            self.ledger.first_offsets.setdefault(where, c.offset)
+            key = f"{c.record.request_id}:{c.record.chunk}"
+            if key in self.ledger.trained:
+                self.ledger.redeliveries += 1
+                continue
+            self.ledger.trained.add(key)
+            self.ledger.records += 1
+            ex = example_of(c.record, self.head.lm_head)
+            if ex is None:
+                continue
+            if zlib.crc32(c.record.request_id.encode()) % 100 < self.cfg.held_out_percent:
+                self.held_out = [*self.held_out, ex][-self.cfg.held_out_size :]
+            else:
+                fresh.append(ex)
+        return fresh
+
+    def _train(self, fresh: list[Example], force: bool = False) -> None:
+        if not self.vocab_fitted:
+            self._waiting += fresh
+            warm = sum(len(e.aux) for e in self._waiting) >= self.cfg.vocab_warmup_positions
+            if not self._waiting or not (warm or force):
+                return
+            ids = select_vocab(self._waiting, self.draft.cfg.draft_vocab_size, self.head.config.vocab_size)
+            refit_vocab(self.draft, ids, self.head.lm_head)
+            self.trainer = self._new_trainer()
+            self.trainer.steps = self.ledger.steps
+            self.vocab_fitted = True
+            fresh, self._waiting = self._waiting, []
+        n = self.cfg.batch_size
+        for i in range(0, len(fresh), n):
+            new = fresh[i : i + n]
+            old = random.sample(self.replay, min(len(new), len(self.replay)))
+            self._losses.append(self.trainer.step(new + old))
+            self.ledger.steps = self.trainer.steps
+            if self.ledger.steps % self.cfg.eval_every == 0:
+                self._evaluate()
+        self.replay = (self.replay + fresh)[-self.cfg.replay_size :]
+
+    def _evaluate(self) -> None:
+        if not self.held_out:
+            return
+        m = self.trainer.evaluate(self.held_out)
+        self._last_eval = self.ledger.steps
+        if self.log_metrics is not None:
+            train_loss = sum(self._losses) / max(1, len(self._losses))
+            self.log_metrics(
+                self.ledger.steps,
+                {"train_loss": train_loss, "eval_loss": m.loss, "tau": m.tau[-1], "top1": m.top1[0],
+                 "records": float(self.ledger.records), "redeliveries": float(self.ledger.redeliveries)},
+            )  # fmt: skip
+        self._losses = []
+        improved = m.tau[-1] > self.ledger.best_tau
+        if improved or self.ledger.steps - self._last_publish >= self.cfg.publish_every:
+            self.ledger.best_tau = max(self.ledger.best_tau, m.tau[-1])
+            self._publish(m)
+
+    def _publish(self, m: Metrics) -> None:
+        self.ledger.candidates += 1
+        version = f"{self.cfg.workload}-s{self.ledger.steps}-{time.strftime('%Y%m%d%H%M%S')}"
+        folder = self.cfg.state_dir / "candidates" / version
+        self.draft.cfg.version = version
+        self.draft.save(folder)
+        self._last_publish = self.ledger.steps
+        if self.publish is not None:
+            self.publish(Candidate(folder, version, m, self.ledger))
+
+    def checkpoint(self) -> None:
+        """Make the training so far durable, then commit the offsets it covers."""
+        self._train([], force=True)  # records read but held back for the vocabulary are trained first
+        save_checkpoint(self.ckpt_dir, self.ledger, self.draft, self.trainer.opt, self.replay, self.held_out)
+        self._last_checkpoint = self.ledger.steps
+        self.consumer.commit_offsets(self.ledger.offsets)
+
+    def close(self) -> None:
+        self.consumer.close()
