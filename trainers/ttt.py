@@ -136,7 +136,7 @@ def ttt_forward(
     head = lm_head[ids]  # target LM head restricted to the draft vocabulary
     with torch.no_grad():  # once per sequence, then shifted for each step
         target_probs = (batch["hidden"] @ head.T).float().softmax(-1)
-    total = torch.zeros(())
+    total = torch.zeros((), device=lm_head.device)
     corrects: list[torch.Tensor] = []
     valids: list[torch.Tensor] = []
     for i, out in enumerate(outs):
@@ -179,8 +179,12 @@ class Trainer:
         self.steps = 0
         self.device_type = self.lm_head.device.type
 
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # examples stay in host memory; a CUDA trainer moves one batch at a time
+        return {k: v.to(self.lm_head.device, non_blocking=True) for k, v in batch.items()}
+
     def step(self, examples: list[Example]) -> float:
-        batch = collate(examples, self.cfg.max_len)
+        batch = self._to_device(collate(examples, self.cfg.max_len))
         # bf16 matmuls with fp32 master weights: ~2.5x faster on CPUs with AVX512-BF16 or AMX
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.autocast):
             loss, _, _ = ttt_forward(
@@ -198,7 +202,7 @@ class Trainer:
         self.draft.eval()
         losses, corrects, valids = [], [], []
         for i in range(0, len(examples), self.cfg.batch_size):
-            batch = collate(examples[i : i + self.cfg.batch_size], 10**9)
+            batch = self._to_device(collate(examples[i : i + self.cfg.batch_size], 10**9))
             loss, c, v = ttt_forward(
                 self.draft, self.lm_head, batch, self.cfg.ttt_steps, self.cfg.step_weight
             )

@@ -158,7 +158,7 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def target_ids(self) -> torch.Tensor:
-        return self.draft_to_target(torch.arange(self.cfg.draft_vocab_size))
+        return self.draft_to_target(torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device))
 
     # -- inference, with a KV cache ---------------------------------------------------------------
     def new_cache(self, slots: int, capacity: int, dtype: torch.dtype) -> DraftKV:
