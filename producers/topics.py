@@ -24,6 +24,9 @@ class TopicConfig:
     retention_ms: int = 24 * 3600 * 1000
     max_message_bytes: int = 1_048_588  # the broker's default limit
     replication: int = 1  # the local single-node broker; more on a real cluster
+    # records only need to outlive the trainer's lag: bounding the log by size keeps storage small
+    retention_bytes: int = -1  # per partition; -1: no size limit
+    segment_bytes: int = 64 << 20  # retention deletes whole closed segments
 
 
 def ensure_topic(admin: AdminClient, workload: str, cfg: TopicConfig, timeout: float = 10.0) -> str:
@@ -33,7 +36,12 @@ def ensure_topic(admin: AdminClient, workload: str, cfg: TopicConfig, timeout: f
         topic,
         num_partitions=cfg.partitions,
         replication_factor=cfg.replication,
-        config={"retention.ms": str(cfg.retention_ms), "max.message.bytes": str(cfg.max_message_bytes)},
+        config={
+            "retention.ms": str(cfg.retention_ms),
+            "retention.bytes": str(cfg.retention_bytes),
+            "segment.bytes": str(cfg.segment_bytes),
+            "max.message.bytes": str(cfg.max_message_bytes),
+        },
     )
     future = admin.create_topics([new], operation_timeout=timeout, request_timeout=timeout)[topic]
     try:

@@ -59,3 +59,19 @@ def test_bench_records_report(tmp_path: Path) -> None:
         assert q["target_kl"] >= 0 and q["draft_tau_ratio"] > 0
     assert r["tokens_per_s_on"] > 0 and r["tokens_per_s_off"] > 0 and r["records_published"] > 0
     assert -1 < r["capture_overhead"] < 1
+
+
+def test_bench_training_report(tmp_path: Path) -> None:
+    out = tmp_path / "training.json"
+    args = ["bench", "training", "--prompts", str(WORKLOADS / "code.jsonl"), "--requests", "16",
+            "--slice-requests", "8", "--max-new-tokens", "24", "--out", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    r = json.loads(out.read_text())
+    assert r["positions"] > 500 and r["training_steps"] > 0 and r["records_lost_to_retention"] == 0
+    assert r["tide_seconds"] == r["tide_decode_seconds"] + r["tide_label_seconds"] + r["tide_train_seconds"]
+    assert 0 < r["decode_share"] < 1 and r["baseline_prefill_seconds"] > 0 and r["speedup"] > 0
+    assert r["tide_tau"] >= 1 and r["baseline_tau"] >= 1
+    assert r["storage_bytes_offline"] == r["positions"] * 4 * 576 * 2
+    assert r["storage_bytes_tide"] == r["storage_topic_peak_bytes"] + r["storage_replay_peak_bytes"] > 0
+    assert 1.5 < r["codec_factor"] < 4  # int8 with group scales, zstd

@@ -352,5 +352,35 @@ def bench_records(
     typer.echo(f"report: {out}")
 
 
+@bench_app.command("training")
+def bench_training(
+    prompts: Path = typer.Option(..., "--prompts"),
+    out: Path = typer.Option(Path("out/bench_training.json"), "--out"),
+    requests: int = typer.Option(640, "--requests", help="requests served (the prompt file is cycled)"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    slice_requests: int = typer.Option(
+        16, "--slice-requests", help="requests served between trainer catch-ups"
+    ),
+    retention_mb: float = typer.Option(2.0, "--retention-mb", help="topic retention per partition"),
+    replay_positions: int = typer.Option(2048, "--replay-positions"),
+    model: str | None = typer.Option(None, "--model"),
+) -> None:
+    """TIDE's trainer (states from Kafka) against re-running the target's prefill (SpecForge online)."""
+    from tide.bench.training import TrainingBenchConfig, run_training_bench
+
+    cfg = TrainingBenchConfig(
+        prompts, requests, max_new_tokens, slice_requests, replay_positions=replay_positions,
+        retention_bytes=int(retention_mb * (1 << 20)), model=model,
+    )  # fmt: skip
+    with _clear_errors():
+        report = run_training_bench(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    keys = ("speedup", "speedup_expected", "decode_share", "tide_tau", "baseline_tau", "storage_ratio",
+            "codec_factor", "retention_factor", "positions")  # fmt: skip
+    typer.echo(json.dumps({k: report[k] for k in keys}, indent=2))
+    typer.echo(f"report: {out}")
+
+
 if __name__ == "__main__":
     app()

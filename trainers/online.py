@@ -62,8 +62,8 @@ class Candidate:
     ledger: Ledger
 
 
-def example_of(r: HiddenStateRecord, lm_head: torch.Tensor) -> Example | None:
-    """A record as a training example; positions that predict prompt tokens are not learned from."""
+def example_of(r: HiddenStateRecord, lm_head: torch.Tensor | None) -> Example | None:
+    """A record as an example (lm_head: for evaluation); positions predicting prompt tokens are not learned."""
     m = r.num_positions
     if m < 2:
         return None
@@ -185,10 +185,11 @@ class OnlineTrainer:
                 continue
             self.ledger.trained.add(key)
             self.ledger.records += 1
-            ex = example_of(c.record, self.head.lm_head)
+            held = zlib.crc32(c.record.request_id.encode()) % 100 < self.cfg.held_out_percent
+            ex = example_of(c.record, self.head.lm_head if held else None)
             if ex is None:
                 continue
-            if zlib.crc32(c.record.request_id.encode()) % 100 < self.cfg.held_out_percent:
+            if held:
                 self.held_out = [*self.held_out, ex][-self.cfg.held_out_size :]
             else:
                 fresh.append(ex)

@@ -32,10 +32,15 @@ class Example:
         tokens: torch.Tensor,
         aux: torch.Tensor,
         hidden: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: torch.Tensor | None,
         learn_from: int = 0,
     ) -> Example:
-        best = torch.cat([(h.float() @ lm_head.float().T).argmax(-1) for h in hidden.split(256)])
+        """`best` needs the full LM head over every position: only evaluation uses it, so an example
+        made only for training (lm_head None) skips that cost and holds -1."""
+        if lm_head is None:
+            best = torch.full((len(tokens),), -1, dtype=torch.long)
+        else:
+            best = torch.cat([(h.float() @ lm_head.float().T).argmax(-1) for h in hidden.split(256)])
         return cls(tokens, aux, hidden, best, learn_from)
 
 
