@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
+import pytest
 import torch
 from confluent_kafka import Consumer, TopicPartition
 from mlflow import MlflowClient
@@ -24,9 +26,9 @@ from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.prompts import load_prompts
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
-from tide.trainers.checkpoint import load_checkpoint
-from tide.trainers.mlflow_sink import MlflowSink, model_name
-from tide.trainers.online import OnlineConfig, OnlineTrainer
+from tide.trainers.checkpoint import Ledger, load_checkpoint
+from tide.trainers.mlflow_sink import MlflowSink, champion_folder, model_name
+from tide.trainers.online import OnlineConfig, OnlineTrainer, WorkloadTaken, claim_workload
 
 from .conftest import WORKLOADS
 
@@ -66,7 +68,15 @@ def test_trainer_publishes_candidates_with_their_evidence(
                        publish_every=16, vocab_warmup_positions=512)  # fmt: skip
     sink = MlflowSink(mlflow_server, workload, head.fingerprint, {"batch_size": cfg.batch_size})
     trainer = OnlineTrainer(cfg, head, trained_draft_dir, sink, sink.log_step)
-    ledger = trainer.run(idle_seconds=5)
+    result: list[Ledger] = []
+    thread = threading.Thread(target=lambda: result.append(trainer.run(idle_seconds=5)))
+    thread.start()
+    while not trainer.ledger.records and thread.is_alive():
+        time.sleep(0.1)
+    with pytest.raises(WorkloadTaken):  # it has joined the workload's group: a second trainer is turned away
+        claim_workload(kafka.bootstrap, f"tide-trainer.{workload}", wait_s=2)
+    thread.join()
+    ledger = result[0]
     trainer.close()
     sink.close()
     assert ledger.trained == published and ledger.records == len(published) and ledger.redeliveries == 0
@@ -99,6 +109,15 @@ def test_trainer_publishes_candidates_with_their_evidence(
     assert cand.t2d[words].float().mean() > start.t2d[words].float().mean() + 0.1
     kept = set(start.target_ids().tolist()) & set(cand.target_ids().tolist())
     assert kept  # rows both vocabularies share were carried over, not re-learned
+
+    # the next session starts from the workload's champion
+    client.set_registered_model_alias(model_name(head.fingerprint, workload), "champion", v.version)
+    again = MlflowSink(mlflow_server, workload, head.fingerprint, {})
+    folder = champion_folder(again, tmp_path / "state2")
+    again.close()
+    assert folder is not None
+    champion = Eagle3Draft.load(folder, head.embed, head.config, head.fingerprint, torch.float32)
+    assert champion.cfg.version == cand.cfg.version and torch.equal(champion.d2t, cand.d2t)
 
 
 def _train_process(

@@ -42,10 +42,11 @@ def champion_folder(sink: MlflowSink, state_dir: Path) -> Path | None:
         return None
     out = state_dir / "champion" / str(mv.version)
     artifact = _artifact_path(mv.source or "")
-    if not (out / artifact / "model.safetensors").exists():
+    local = out / Path(artifact).name  # where MLflow puts a downloaded folder
+    if not (local / "model.safetensors").exists():
         out.mkdir(parents=True, exist_ok=True)
-        sink.client.download_artifacts(mv.run_id or "", artifact, str(out))
-    return out / artifact
+        local = Path(sink.client.download_artifacts(mv.run_id or "", artifact, str(out)))
+    return local
 
 
 def _artifact_path(source: str) -> str:
