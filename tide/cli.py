@@ -356,12 +356,12 @@ def bench_records(
 def bench_training(
     prompts: Path = typer.Option(..., "--prompts"),
     out: Path = typer.Option(Path("out/bench_training.json"), "--out"),
-    requests: int = typer.Option(640, "--requests", help="requests served (the prompt file is cycled)"),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    requests: int = typer.Option(600, "--requests", help="requests served (the prompt file is cycled)"),
+    max_new_tokens: int = typer.Option(160, "--max-new-tokens"),
     slice_requests: int = typer.Option(
-        16, "--slice-requests", help="requests served between trainer catch-ups"
+        8, "--slice-requests", help="requests served between trainer catch-ups"
     ),
-    retention_mb: float = typer.Option(2.0, "--retention-mb", help="topic retention per partition"),
+    retention_mb: float = typer.Option(1.0, "--retention-mb", help="topic retention per partition"),
     replay_positions: int = typer.Option(2048, "--replay-positions"),
     model: str | None = typer.Option(None, "--model"),
 ) -> None:

@@ -43,12 +43,12 @@ CHUNK = 128
 @dataclass
 class TrainingBenchConfig:
     prompts: Path
-    requests: int = 640  # the prompt file is cycled (sampled answers) until this many were served
-    max_new_tokens: int = 128
-    slice_requests: int = 16  # served between two catch-ups of the trainer
+    requests: int = 600  # the prompt file is cycled (sampled answers) until this many were served
+    max_new_tokens: int = 160
+    slice_requests: int = 8  # served between two catch-ups of the trainer
     batch_size: int = 4
     replay_positions: int = 2048
-    retention_bytes: int = 2 << 20  # per partition
+    retention_bytes: int = 1 << 20  # per partition
     codec: str = "int8-g64"
     draft_vocab: int = 4096
     held_out_percent: int = 10
