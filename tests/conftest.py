@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tide.infra.kafka.broker import KafkaBroker
+from tide.infra.process import free_port
 from tide.models.eagle3 import DraftConfig, Eagle3Draft
 from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.loader import Target, load_target
@@ -147,12 +147,6 @@ def tiny_draft(target: Target, vocab: int | None = None, seed: int = 1) -> Eagle
         # start close to the target's own head so that some drafts are accepted and some are not
         draft.lm_head.weight.copy_(target.model.lm_head.weight[draft.target_ids()])
     return draft.eval()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

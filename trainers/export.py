@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from tide.models.eagle3 import DRAFT_FORMAT, DraftConfig, DraftLoadError
+from tide.models.eagle3 import DRAFT_FORMAT, DraftConfig, DraftLoadError, read_folder
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"  # what the speculators Eagle3 config writes by default
@@ -47,21 +47,7 @@ _TOP_NAMES = ("fc.weight", "norm.weight", "lm_head.weight")
 
 def read_draft(draft_dir: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     """The config and raw tensors of a TIDE draft folder, without needing its target at hand."""
-    try:
-        raw = json.loads((draft_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DraftLoadError(f"{draft_dir}: unreadable config.json: {e}") from e
-    if raw.pop("format", None) != DRAFT_FORMAT:
-        raise DraftLoadError(f"{draft_dir}: not a {DRAFT_FORMAT} draft folder")
-    try:
-        cfg = DraftConfig(**raw)
-    except TypeError as e:
-        raise DraftLoadError(f"{draft_dir}: bad config.json: {e}") from e
-    try:
-        state = load_file(str(draft_dir / "model.safetensors"))
-    except Exception as e:  # safetensors raises several types for truncated or corrupt files
-        raise DraftLoadError(f"{draft_dir}: unreadable model.safetensors: {e}") from e
-    return cfg, state
+    return read_folder(draft_dir)
 
 
 def hf_state(cfg: DraftConfig, state: dict[str, torch.Tensor], layer_prefix: str) -> dict[str, torch.Tensor]:

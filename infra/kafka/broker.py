@@ -12,8 +12,6 @@ import argparse
 import base64
 import hashlib
 import json
-import os
-import re
 import shutil
 import signal
 import socket
@@ -28,6 +26,7 @@ from types import TracebackType
 from typing import IO
 
 from tide.config import cache_dir
+from tide.infra.process import free_port, stop_group, tail
 
 HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"
@@ -43,11 +42,6 @@ JVM_OPTS = (
 
 class BrokerError(RuntimeError):
     """The broker could not be built, started or reached; the message ends with the relevant output."""
-
-
-def _tail(text: str, lines: int = 40) -> str:
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # Maven colours its output even in batch mode
-    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def kafka_jars() -> Path:
@@ -71,7 +65,7 @@ def kafka_jars() -> Path:
         if res.returncode != 0 or not list((work / "jars").glob("kafka_2.13-*.jar")):
             raise BrokerError(
                 f"mvn could not resolve the Kafka jars (rc={res.returncode}):\n"
-                + _tail(res.stdout + res.stderr)
+                + tail(res.stdout + res.stderr)
             )
         try:
             (work / "jars").rename(dest)
@@ -81,12 +75,6 @@ def kafka_jars() -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dest
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cluster_id() -> str:
@@ -132,8 +120,8 @@ class KafkaBroker:
         saved = self.data_dir / "ports.json"
         old = json.loads(saved.read_text()) if saved.exists() else {}
         # the controller's own endpoint is part of the formatted quorum, so a restarted data dir keeps its ports
-        self.port = self.port or old.get("port") or _free_port()
-        self.controller_port = self.controller_port or old.get("controller_port") or _free_port()
+        self.port = self.port or old.get("port") or free_port()
+        self.controller_port = self.controller_port or old.get("controller_port") or free_port()
         saved.write_text(json.dumps({"port": self.port, "controller_port": self.controller_port}))
 
     def _properties(self) -> Path:
@@ -190,7 +178,7 @@ class KafkaBroker:
                              "-t", _cluster_id(), "-c", str(config))  # fmt: skip
             res = subprocess.run(fmt, capture_output=True, text=True, timeout=timeout)
             if res.returncode != 0:
-                raise BrokerError("kafka-storage format failed:\n" + _tail(res.stdout + res.stderr))
+                raise BrokerError("kafka-storage format failed:\n" + tail(res.stdout + res.stderr))
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process's lifetime
         self.process = subprocess.Popen(
             self._java(jars, "kafka.Kafka", str(config)),
@@ -214,7 +202,7 @@ class KafkaBroker:
         while not self._accepts():
             self._check_alive()
             if time.monotonic() > deadline:
-                raise BrokerError(f"no listener on {self.bootstrap} after {timeout:.0f}s:\n{self.log_tail()}")
+                raise BrokerError(f"no listener on {self.bootstrap} after {timeout:.0f}s:\n{self.logtail()}")
             time.sleep(0.2)
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         last: Exception | None = None
@@ -226,7 +214,7 @@ class KafkaBroker:
             except Exception as e:  # KafkaException while the broker is still catching up
                 last = e
             if time.monotonic() > deadline:
-                raise BrokerError(f"broker not ready after {timeout:.0f}s ({last}):\n{self.log_tail()}")
+                raise BrokerError(f"broker not ready after {timeout:.0f}s ({last}):\n{self.logtail()}")
             time.sleep(0.2)
 
     def _accepts(self) -> bool:
@@ -238,25 +226,17 @@ class KafkaBroker:
 
     def _check_alive(self) -> None:
         if self.process is not None and self.process.poll() is not None:
-            raise BrokerError(f"the broker exited with {self.process.returncode}:\n{self.log_tail()}")
+            raise BrokerError(f"the broker exited with {self.process.returncode}:\n{self.logtail()}")
 
-    def log_tail(self, lines: int = 40) -> str:
+    def logtail(self, lines: int = 40) -> str:
         try:
-            return _tail(self.log_path.read_text(errors="replace"), lines)
+            return tail(self.log_path.read_text(errors="replace"), lines)
         except OSError:
             return "(no broker log)"
 
     def stop(self, timeout: float = 30) -> None:
         proc, self.process = self.process, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)  # a clean shutdown flushes the logs and the metadata
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            except ProcessLookupError:
-                proc.wait()
+        stop_group(proc, timeout)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -299,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)  # fmt: skip
             while broker.running:
                 time.sleep(1)
-            raise SystemExit(f"error: the broker exited:\n{broker.log_tail()}")
+            raise SystemExit(f"error: the broker exited:\n{broker.logtail()}")
     except KeyboardInterrupt:
         print("stopping", flush=True)
     except BrokerError as e:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,15 +19,11 @@ from typing import IO
 
 import httpx
 
+from tide.infra.process import free_port, log_tail, stop_group
+
 
 class MlflowServerError(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -54,7 +48,7 @@ class MlflowServer:
 
     def start(self, timeout: float = 120) -> MlflowServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = self.port or _free_port()
+        self.port = self.port or free_port()
         artifacts = self.artifacts or str(self.data_dir / "artifacts")
         args = [sys.executable, "-m", "mlflow", "server",
                 "--backend-store-uri", f"sqlite:///{self.data_dir / 'mlflow.db'}",
@@ -79,21 +73,11 @@ class MlflowServer:
         raise MlflowServerError(f"mlflow server did not answer within {timeout:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def stop(self, timeout: float = 30) -> None:
         proc, self.process = self.process, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)  # gunicorn/uvicorn and their workers
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            except ProcessLookupError:
-                proc.wait()
+        stop_group(proc, timeout)  # the server and its workers
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -242,21 +242,8 @@ class Eagle3Draft(nn.Module):
         dtype: torch.dtype,
     ) -> Eagle3Draft:
         folder = Path(folder)
-        try:
-            raw = json.loads((folder / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise DraftLoadError(f"{folder}: unreadable config.json: {e}") from e
-        if raw.pop("format", None) != DRAFT_FORMAT:
-            raise DraftLoadError(f"{folder}: not a {DRAFT_FORMAT} draft folder")
-        try:
-            cfg = DraftConfig(**raw)
-        except TypeError as e:
-            raise DraftLoadError(f"{folder}: bad config.json: {e}") from e
+        cfg, state = read_folder(folder)
         cfg.check_target(target_cfg, fingerprint)
-        try:
-            state = load_file(str(folder / "model.safetensors"))
-        except Exception as e:  # safetensors raises several types for truncated or corrupt files
-            raise DraftLoadError(f"{folder}: unreadable model.safetensors: {e}") from e
         for name, t in state.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise DraftLoadError(f"{folder}: non-finite values in {name}")
@@ -266,6 +253,25 @@ class Eagle3Draft(nn.Module):
         except RuntimeError as e:
             raise DraftLoadError(f"{folder}: weights do not fit the config: {e}") from e
         return draft.to(dtype).eval()
+
+
+def read_folder(folder: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    """A draft folder's config and raw tensors, checked only for being readable (no target needed)."""
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DraftLoadError(f"{folder}: unreadable config.json: {e}") from e
+    if raw.pop("format", None) != DRAFT_FORMAT:
+        raise DraftLoadError(f"{folder}: not a {DRAFT_FORMAT} draft folder")
+    try:
+        cfg = DraftConfig(**raw)
+    except TypeError as e:
+        raise DraftLoadError(f"{folder}: bad config.json: {e}") from e
+    try:
+        state = load_file(str(folder / "model.safetensors"))
+    except Exception as e:  # safetensors raises several types for truncated or corrupt files
+        raise DraftLoadError(f"{folder}: unreadable model.safetensors: {e}") from e
+    return cfg, state
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
