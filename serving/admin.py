@@ -34,7 +34,7 @@ class CaptureSetting(BaseModel):
 
 
 def admin_router(engine: Engine, capture: CapturePolicy, token: str | None) -> APIRouter:
-    draft_path: dict[str, str | None] = {"default": None}
+    draft_path: dict[str, str] = {}  # drafts loaded through this API, by workload
 
     def authorised(request: Request) -> None:
         if token is None:
@@ -47,8 +47,7 @@ def admin_router(engine: Engine, capture: CapturePolicy, token: str | None) -> A
     router = APIRouter(prefix="/admin", dependencies=[Depends(authorised)])
 
     def drafts() -> dict[str, Any]:
-        # one draft serves every workload until per-workload drafts arrive with the registry
-        return {"default": {"version": engine.draft_version, "path": draft_path["default"]}}
+        return {w: {"version": v, "path": draft_path.get(w)} for w, v in engine.draft_versions().items()}
 
     @router.get("/state")
     def state() -> dict[str, Any]:
@@ -68,16 +67,15 @@ def admin_router(engine: Engine, capture: CapturePolicy, token: str | None) -> A
     @router.post("/drafts")
     def load_draft(body: LoadDraft) -> dict[str, Any]:
         # sync handler: FastAPI runs it in a worker thread, so loading never stalls other requests
-        if body.workload != "default":
-            raise HTTPException(
-                400, "this node serves one draft for all workloads: load it for workload 'default'"
-            )
         try:
-            draft = engine.load_draft(body.path)
+            workload = check_workload(body.workload)
+            draft = engine.load_draft(body.path, workload)
         except (DraftLoadError, DraftMismatchError, OSError) as e:
             raise HTTPException(400, f"draft refused, the current one stays: {e}") from None
-        draft_path["default"] = body.path
-        return {"workload": "default", "version": draft.cfg.version, "status": "swapping at the next step"}
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        draft_path[workload] = body.path
+        return {"workload": workload, "version": draft.cfg.version, "status": "swapping at the next step"}
 
     @router.put("/speculation")
     def set_speculation(body: Speculation) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from tide.models.loader import Target, load_target
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.serving.admin import admin_router
 from tide.serving.capture import CapturePolicy, check_workload
+from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.engine import Engine, EngineConfig, Sequence
 from tide.serving.engine_loop import Delta, EngineLoop, QueueFull
 from tide.serving.metrics import ServingMetrics
@@ -63,8 +64,10 @@ def build_app(
     cfg: EngineConfig,
     server: ServerConfig,
     kafka: PublisherConfig | None = None,
+    registry: SyncConfig | None = None,
 ) -> FastAPI:
-    """The server as `tide serve` runs it; with `kafka`, tapped hidden states are published there."""
+    """The server as `tide serve` runs it; with `kafka`, tapped hidden states are published there;
+    with `registry`, each workload's champion draft is followed."""
     target = load_target(model, dtype)
     draft_dir = Path(draft) if draft else default_draft_dir(target.fingerprint)
     head = None
@@ -76,7 +79,9 @@ def build_app(
     else:
         log.warning("no draft: serving without speculation (train one with `tide draft ensure-default`)")
     publisher = RecordPublisher(kafka, target.fingerprint) if kafka is not None else None
-    return make_app(target, Engine(target, head, cfg, tap=publisher), server, publisher)
+    engine = Engine(target, head, cfg, tap=publisher)
+    sync = DraftSync(registry, engine) if registry is not None else None
+    return make_app(target, engine, server, publisher, sync)
 
 
 async def _read_body(request: Request, limit: int) -> Any:
@@ -218,15 +223,20 @@ def make_app(
     engine: Engine,
     server: ServerConfig | None = None,
     publisher: RecordPublisher | None = None,
+    sync: DraftSync | None = None,
 ) -> FastAPI:
     server = server or ServerConfig()
-    metrics = ServingMetrics(engine, publisher)
+    metrics = ServingMetrics(engine, publisher, sync)
     loop = EngineLoop(engine, metrics, server.max_queue)
     tok = target.tok
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if sync is not None:
+            sync.start()
         yield
+        if sync is not None:
+            sync.stop()
         loop.stop()
         if publisher is not None:
             publisher.close()
@@ -252,6 +262,7 @@ def make_app(
         return {
             "status": "ok",
             "draft": engine.draft_version,
+            "drafts": engine.draft_versions(),
             "gamma": engine.cfg.gamma,
             "running": len(engine.running),
             "waiting": len(engine.waiting),

@@ -8,8 +8,9 @@ decoding one. T and the draft time are measured on the machine that serves, neve
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -37,14 +38,34 @@ class StepProfile:
     overhead: float = 0.0
     draft_total: float | None = None
 
+    def to_json(self, node: str) -> str:
+        """What a serving node publishes for the gate (the registered model's `serving.profile` tag)."""
+        return json.dumps({**asdict(self), "node": node, "time": time.time()})
+
+    @classmethod
+    def from_json(cls, raw: str) -> StepProfile:
+        d = json.loads(raw)
+        total = d.get("draft_total")
+        return cls(
+            int(d["batch_size"]),
+            {int(k): float(v) for k, v in d["target"].items()},
+            float(d["draft_step"]),
+            float(d.get("overhead", 0.0)),
+            None if total is None else float(total),
+        )
+
     def speedup(self, alphas: list[float], gamma: int) -> float:
+        return self.speedup_at(expected_tokens(alphas, gamma), gamma)
+
+    def speedup_at(self, tau: float, gamma: int) -> float:
+        """Predicted speedup over no speculation for tau tokens per step at gamma draft tokens."""
         if gamma == 0:
             return 1.0
         t1 = self.target[1] + self.overhead
         draft = self.draft_total if self.draft_total is not None else self.draft_step * gamma
         c_gamma = draft / t1
         beta = (self.target[gamma + 1] + self.overhead) / t1
-        return expected_tokens(alphas, gamma) / (c_gamma + beta)
+        return tau / (c_gamma + beta)
 
 
 def _median_time(fn: object, repeats: int) -> float:

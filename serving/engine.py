@@ -3,7 +3,8 @@
 One `step()` admits waiting requests (prefill, one at a time), then advances every running sequence
 by one target forward pass: the draft proposes gamma tokens per sequence, the target verifies all
 of them for the whole batch at once, and each sequence keeps its accepted prefix plus one
-correction/bonus token. Rejected tokens are rolled back by moving the sequence's length back: cache
+correction/bonus token. Each workload may have its own draft (the `default` one serves the rest);
+a batch mixing workloads drafts once per draft and verifies once. Rejected tokens are rolled back by moving the sequence's length back: cache
 entries past the length are never attended to and are overwritten next step.
 
 Running sequences occupy the slots [0, B) of the cache in order, so every forward reads one
@@ -129,6 +130,20 @@ class DraftStats:
 
 
 @dataclass
+class DraftSlot:
+    """A loaded draft with its own KV cache and acceptance counts (since it was swapped in)."""
+
+    draft: Eagle3Draft
+    cache: DraftKV
+    ids: torch.Tensor  # draft vocabulary -> target token ids
+    stats: DraftStats
+
+    @property
+    def version(self) -> str:
+        return self.draft.cfg.version
+
+
+@dataclass
 class StepTiming:
     decode_steps: int = 0
     decode_seconds: float = 0.0  # whole decode steps (draft + verify + bookkeeping)
@@ -169,11 +184,11 @@ class Engine:
         self.stats = DraftStats(cfg.max_gamma)
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._pending: tuple[Eagle3Draft | None, DraftKV | None] | None = None  # next draft and its cache
+        self._pending: dict[str, DraftSlot | None] = {}  # drafts to take over at the next step
         self.tap_seconds = 0.0  # time spent handing hidden states out (benchmarks report it)
         self.timing = StepTiming()  # measured while serving: what the cost model needs
-        self.draft: Eagle3Draft | None = None
-        self.dcache: DraftKV | None = None
+        self.drafts: dict[str, DraftSlot] = {}  # by workload; "default" serves workloads without one
+        self.workloads_seen: set[str] = set()  # the registry follower polls their drafts
         if draft is not None:
             self.set_draft(draft)
             self._swap_if_pending()
@@ -200,6 +215,7 @@ class Engine:
                 f"{self.cfg.max_model_len} tokens"
             )
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), params, workload, capture)
+        self.workloads_seen.add(workload)
         if tokenizer is not None and (params.stop or detokenize):
             seq.detok = Detokenizer(tokenizer, seq.prompt)
         if params.seed is not None:
@@ -226,23 +242,44 @@ class Engine:
         return seqs
 
     # -- drafts -----------------------------------------------------------------------------------
-    def load_draft(self, path: str | Path) -> Eagle3Draft:
-        """Load and check a draft in the caller's thread; the engine switches to it between steps."""
-        draft = Eagle3Draft.load(
+    def read_draft(self, path: str | Path) -> Eagle3Draft:
+        """Load and check a draft (shapes, finiteness, target fingerprint) without using it."""
+        return Eagle3Draft.load(
             path, self.model.embed_tokens, self.model.cfg, self.target.fingerprint, self.dtype
         )
-        self.set_draft(draft)
+
+    def load_draft(self, path: str | Path, workload: str = "default") -> Eagle3Draft:
+        """Load and check a draft in the caller's thread; the engine switches to it between steps."""
+        draft = self.read_draft(path)
+        self.set_draft(draft, workload)
         return draft
 
-    def set_draft(self, draft: Eagle3Draft | None) -> None:
-        """Queue a draft (None: stop speculating). The engine takes it over (its linears get prepacked)."""
-        cache = None
+    def set_draft(self, draft: Eagle3Draft | None, workload: str = "default") -> None:
+        """Queue a workload's draft (None: the workload falls back to the default draft, or, for
+        the default, stops speculating). The engine takes it over (its linears get prepacked)."""
+        slot = None
         if draft is not None:
             # the slow parts happen here, off the engine's thread: weight packing, cache allocation
             pack_linears(draft)
             cache = draft.new_cache(self.cfg.max_batch, self.capacity, self.dtype)
+            slot = DraftSlot(draft, cache, draft.target_ids(), DraftStats(self.cfg.max_gamma))
         with self._lock:
-            self._pending = (draft, cache)
+            self._pending[workload] = slot
+
+    @property
+    def draft(self) -> Eagle3Draft | None:
+        """The default draft."""
+        slot = self.drafts.get("default")
+        return slot.draft if slot is not None else None
+
+    def draft_versions(self) -> dict[str, str]:
+        return {w: slot.version for w, slot in self.drafts.items()}
+
+    def draft_key(self, workload: str) -> str | None:
+        """Which draft serves a workload: its own, else the default one (None: no draft)."""
+        if workload in self.drafts:
+            return workload
+        return "default" if "default" in self.drafts else None
 
     def set_gamma(self, gamma: int) -> None:
         """Draft tokens per step from the next step on (0: no speculation)."""
@@ -252,32 +289,37 @@ class Engine:
 
     @property
     def draft_version(self) -> str:
-        return self.draft.cfg.version if self.draft is not None else "none"
+        slot = self.drafts.get("default")
+        return slot.version if slot is not None else "none"
 
     def _swap_if_pending(self) -> None:
         with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
+            pending, self._pending = self._pending, {}
+        if not pending:
             return
-        self.draft, self.dcache = pending
-        if self.draft is None:
-            return
-        self._draft_ids = self.draft.target_ids()
-        # the new draft's cache is empty: rebuild it from the stored aux states of running sequences
+        before = {seq.request_id: self.draft_key(seq.workload) for seq in self.running}
+        for workload, slot in pending.items():
+            if slot is None:
+                self.drafts.pop(workload, None)
+            else:
+                self.drafts[workload] = slot
+        # a sequence whose draft changed starts an empty cache: rebuild it from its stored aux states
         for seq in self.running:
-            self.draft_lengths[seq.slot] = 0
-            self._sync_draft(seq.slot)
+            key = self.draft_key(seq.workload)
+            if key is not None and (key in pending or key != before[seq.request_id]):
+                self.draft_lengths[seq.slot] = 0
+                self._sync_draft(seq, self.drafts[key])
 
-    def _sync_draft(self, slot: int) -> None:
+    def _sync_draft(self, seq: Sequence, ds: DraftSlot) -> None:
         """Bring one sequence's draft cache up to its last committed position but one."""
-        assert self.draft is not None and self.dcache is not None
+        slot = seq.slot
         start, end = int(self.draft_lengths[slot]), int(self.lengths[slot]) - 1
         if end <= start:
             return
         pos = torch.arange(start, end).unsqueeze(0)
         batch = Batch.make(slot, pos, None, self.capacity)
-        hidden = self.draft.fc(self.aux[slot, start:end].unsqueeze(0))
-        self.draft(hidden, self.tokens[slot, start + 1 : end + 1].unsqueeze(0), batch, self.dcache)
+        hidden = ds.draft.fc(self.aux[slot, start:end].unsqueeze(0))
+        ds.draft(hidden, self.tokens[slot, start + 1 : end + 1].unsqueeze(0), batch, ds.cache)
         self.draft_lengths[slot] = end
 
     # -- the step ---------------------------------------------------------------------------------
@@ -321,21 +363,62 @@ class Engine:
         else:
             first = int(sample(probs_from_logits(logits, s), self._uniforms([seq], 1))[0, 0])
         self.tokens[slot, n] = first
-        if self.draft is not None:
-            self._sync_draft(slot)
+        key = self.draft_key(seq.workload)
+        if key is not None:
+            self._sync_draft(seq, self.drafts[key])
         kept = self._append(seq, [first])
         self._emit(seq, 0, prompt, out.aux[0], out.hidden[0], kept, True)
         return StepOutput(seq, kept)
 
+    def _draft_groups(self, seqs: list[Sequence]) -> dict[str, list[int]] | None:
+        """Rows of the batch by the draft that serves them (None: some row has no draft at all)."""
+        groups: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            key = self.draft_key(seq.workload)
+            if key is None:
+                return None
+            groups.setdefault(key, []).append(i)
+        return groups
+
     def _propose(
-        self, seqs: list[Sequence], gamma: int, s: BatchSampling, u: torch.Tensor | None
+        self,
+        groups: dict[str, list[int]],
+        bsz: int,
+        gamma: int,
+        params: list[SamplingParams],
+        u: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Chain-draft gamma tokens per sequence: (B, gamma) target ids, and q (B, gamma, V) when sampling."""
-        draft = self.draft
-        assert draft is not None and self.dcache is not None
-        bsz = len(seqs)
-        rows = torch.arange(bsz)
-        lengths, dlen = self.lengths[:bsz], self.draft_lengths[:bsz]
+        """Chain-draft gamma tokens per sequence, one chain per draft: (B, gamma) target ids, and
+        q (B, gamma, V) when sampling."""
+        if len(groups) == 1:  # the common case: contiguous slots, no gathers
+            (key,) = groups
+            return self._propose_rows(self.drafts[key], None, bsz, gamma, params, u)
+        tokens = torch.empty(bsz, gamma, dtype=torch.long)
+        q = None if u is None else torch.zeros(bsz, gamma, self.model.cfg.vocab_size)
+        for key, idx in groups.items():
+            rows = torch.tensor(idx)
+            sub_u = None if u is None else u[rows]
+            t, sub_q = self._propose_rows(
+                self.drafts[key], rows, len(idx), gamma, [params[i] for i in idx], sub_u
+            )
+            tokens[rows] = t
+            if q is not None and sub_q is not None:
+                q[rows] = sub_q
+        return tokens, q
+
+    def _propose_rows(
+        self,
+        ds: DraftSlot,
+        slots: torch.Tensor | None,
+        bsz: int,
+        gamma: int,
+        params: list[SamplingParams],
+        u: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft's chain over the running rows `slots` (None: rows [0, bsz))."""
+        draft = ds.draft
+        rows = torch.arange(bsz) if slots is None else slots
+        lengths, dlen = self.lengths[rows], self.draft_lengths[rows]
         # catch up: step-0 inputs for the positions the target committed since the last step
         span = int((lengths - dlen).max())
         pos = dlen.unsqueeze(1) + torch.arange(span)
@@ -346,26 +429,29 @@ class Engine:
         out = draft(
             hidden,
             self.tokens[rows.unsqueeze(1), pos + 1],
-            Batch.make(0, pos, valid, self.capacity),
-            self.dcache,
+            Batch.make(0, pos, valid, self.capacity, slots),
+            ds.cache,
         )
-        last = out[rows, lengths - 1 - dlen].unsqueeze(1)
-        self.draft_lengths[:bsz] = lengths
+        local = torch.arange(bsz)
+        last = out[local, lengths - 1 - dlen].unsqueeze(1)
+        self.draft_lengths[rows] = lengths
         tokens = torch.empty(bsz, gamma, dtype=torch.long)
         qs: list[torch.Tensor] = []
+        s = BatchSampling.of(params) if u is not None else None
         for i in range(gamma):
             logits = draft.logits(last[:, 0]).unsqueeze(1)  # (B, 1, Vd)
-            if u is None:
+            if u is None or s is None:
                 d = logits[:, 0].argmax(-1)
             else:
                 q = probs_from_logits(logits, BatchSampling(s.temperature, s.top_p, s.top_k, False))[:, 0]
                 d = sample(q, u[:, i])
                 full = torch.zeros(bsz, self.model.cfg.vocab_size)
-                qs.append(full.index_copy_(1, self._draft_ids, q))
-            tokens[:, i] = self._draft_ids[d]
+                qs.append(full.index_copy_(1, ds.ids, q))
+            tokens[:, i] = ds.ids[d]
             if i + 1 < gamma:
                 p = (lengths + i).unsqueeze(1)
-                last = draft(last, tokens[:, i : i + 1], Batch.make(0, p, None, self.capacity), self.dcache)
+                batch = Batch.make(0, p, None, self.capacity, slots)
+                last = draft(last, tokens[:, i : i + 1], batch, ds.cache)
         return tokens, (torch.stack(qs, 1) if qs else None)
 
     def _decode(self) -> list[StepOutput]:
@@ -373,12 +459,14 @@ class Engine:
         seqs = self.running
         bsz = len(seqs)
         rows = torch.arange(bsz)
-        gamma = self.cfg.gamma if self.draft is not None else 0
-        s = BatchSampling.of([q.params for q in seqs])
+        groups = self._draft_groups(seqs) if self.cfg.gamma > 0 else None
+        gamma = self.cfg.gamma if groups else 0
+        params = [q.params for q in seqs]
+        s = BatchSampling.of(params)
         u = None if s.all_greedy else self._uniforms(seqs, 2 * gamma + 1)
         lengths = self.lengths[:bsz].clone()
-        if gamma > 0:
-            drafted, q = self._propose(seqs, gamma, s, u)
+        if groups and gamma > 0:
+            drafted, q = self._propose(groups, bsz, gamma, params, u)
             self.timing.propose_seconds += time.perf_counter() - start
         else:
             drafted, q = torch.zeros(bsz, 0, dtype=torch.long), None
@@ -393,8 +481,10 @@ class Engine:
         self.aux[rows.unsqueeze(1), pos] = out.aux
         self.tokens[rows.unsqueeze(1), pos + 1] = verdict.tokens
         self.lengths[:bsz] = lengths + acc + 1
-        if gamma > 0:
+        if groups and gamma > 0:
             self.stats.add(acc, gamma)
+            for key, idx in groups.items():
+                self.drafts[key].stats.add(acc if len(groups) == 1 else acc[torch.tensor(idx)], gamma)
         new_tokens = verdict.tokens.tolist()
         self.timing.decode_steps += 1
         self.timing.decode_seconds += time.perf_counter() - start
@@ -454,11 +544,15 @@ class Engine:
                 aux[:m],
                 hidden[:m],
                 prefill,
-                self.draft_version,
+                self._version_for(seq),
                 seq.finished,
             )
         )
         self.tap_seconds += time.perf_counter() - t
+
+    def _version_for(self, seq: Sequence) -> str:
+        key = self.draft_key(seq.workload)
+        return self.drafts[key].version if key is not None else "none"
 
     # -- finishing --------------------------------------------------------------------------------
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
@@ -508,10 +602,11 @@ class Engine:
     def _move(self, src: int, dst: int) -> None:
         n = int(self.lengths[src]) + 1
         self.cache.move_slot(src, dst, n)
-        if self.dcache is not None:
-            m = int(self.draft_lengths[src])
-            self.dcache.k[dst, :, :m] = self.dcache.k[src, :, :m]
-            self.dcache.v[dst, :, :m] = self.dcache.v[src, :, :m]
+        key = self.draft_key(self.running[src].workload)
+        if key is not None:  # only the moving sequence's own draft holds anything of it
+            dc, m = self.drafts[key].cache, int(self.draft_lengths[src])
+            dc.k[dst, :, :m] = dc.k[src, :, :m]
+            dc.v[dst, :, :m] = dc.v[src, :, :m]
         self.tokens[dst, : n + 1] = self.tokens[src, : n + 1]
         self.aux[dst, :n] = self.aux[src, :n]
         self.lengths[dst] = self.lengths[src]

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tide.producers.publisher import RecordPublisher
+from tide.serving.draft_sync import DraftSync
 from tide.serving.engine import Engine, StepOutput
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
@@ -27,9 +28,26 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("tide_queue_depth", "Requests waiting for a slot", value=len(e.waiting))
         yield GaugeMetricFamily("tide_running_requests", "Requests holding a slot", value=len(e.running))
         yield GaugeMetricFamily("tide_gamma", "Draft tokens proposed per step (0: off)", value=e.cfg.gamma)
-        draft = GaugeMetricFamily("tide_draft_info", "The draft in use (value 1)", labels=["version"])
-        draft.add_metric([e.draft_version], 1)
+        draft = GaugeMetricFamily(
+            "tide_draft_info", "The drafts in use, by workload (value 1)", labels=["workload", "version"]
+        )
+        per_step = GaugeMetricFamily(
+            "tide_draft_tokens_per_step",
+            "Tokens per sequence step on each draft since it was swapped in",
+            labels=["workload", "version"],
+        )
+        steps = GaugeMetricFamily(
+            "tide_draft_steps",
+            "Sequence steps on each draft since it was swapped in",
+            labels=["workload", "version"],
+        )
+        for workload, slot in list(e.drafts.items()):
+            draft.add_metric([workload, slot.version], 1)
+            per_step.add_metric([workload, slot.version], slot.stats.mean_accept_length)
+            steps.add_metric([workload, slot.version], slot.stats.steps)
         yield draft
+        yield per_step
+        yield steps
         rate = GaugeMetricFamily(
             "tide_accept_rate", "Acceptance rate at each draft depth since start", labels=["depth"]
         )
@@ -57,8 +75,38 @@ class _PublisherCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class _SyncCollector(Collector):
+    def __init__(self, sync: DraftSync):
+        self.sync = sync
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self.sync.stats
+        yield CounterMetricFamily("tide_draft_swaps", "Registry versions swapped in", value=s.swaps)
+        yield CounterMetricFamily(
+            "tide_draft_rollbacks", "Versions rolled back for falling short live", value=s.rollbacks
+        )
+        yield CounterMetricFamily(
+            "tide_registry_errors", "Registry polls or downloads that failed", value=s.registry_errors
+        )
+        refused = CounterMetricFamily(
+            "tide_draft_refused", "Registry versions refused (checksum, weights, target)", labels=["reason"]
+        )
+        for reason, n in sorted(s.refused.items()):
+            refused.add_metric([reason], n)
+        yield refused
+        following = GaugeMetricFamily(
+            "tide_registry_version", "The registry version each workload's draft came from",
+            labels=["workload", "model", "version"],
+        )  # fmt: skip
+        for workload, f in list(self.sync.following.items()):
+            following.add_metric([workload, f.name, f.version], 1)
+        yield following
+
+
 class ServingMetrics:
-    def __init__(self, engine: Engine, publisher: RecordPublisher | None = None):
+    def __init__(
+        self, engine: Engine, publisher: RecordPublisher | None = None, sync: DraftSync | None = None
+    ):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tide_requests", "Finished HTTP requests", ["endpoint", "status"], registry=r)
@@ -91,6 +139,8 @@ class ServingMetrics:
         r.register(_EngineCollector(engine))
         if publisher is not None:
             r.register(_PublisherCollector(publisher))
+        if sync is not None:
+            r.register(_SyncCollector(sync))
 
     def observe_step(self, outputs: list[StepOutput]) -> None:
         decoded = 0

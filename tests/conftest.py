@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from tide.infra.kafka.broker import KafkaBroker
+from tide.infra.mlflow.server import MlflowServer
 from tide.infra.process import free_port
+from tide.infra.s3.server import S3Server
 from tide.models.eagle3 import DraftConfig, Eagle3Draft
 from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.loader import Target, load_target
@@ -192,7 +194,21 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real MLflow tracking server (sqlite, local artifacts, job workers off); yields its URL."""
-    from tide.infra.mlflow.server import MlflowServer
-
     with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3-compatible server (versitygw, built from the Go module proxy) for the whole session."""
+    with S3Server(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def registry(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """A real MLflow registry whose artifacts live in the S3 server; clients reach S3 through boto3,
+    so the S3 settings are put into this process's environment (child processes inherit them)."""
+    os.environ.update(s3.env)
+    with MlflowServer(tmp_path_factory.mktemp("registry"), s3=s3, bucket="tide-drafts") as server:
+        yield server

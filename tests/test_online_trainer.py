@@ -24,10 +24,11 @@ from tide.models.loader import Target, load_head
 from tide.producers.consumer import RecordConsumer
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.prompts import load_prompts
+from tide.registry.store import model_name
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 from tide.trainers.checkpoint import Ledger, load_checkpoint
-from tide.trainers.mlflow_sink import MlflowSink, champion_folder, model_name
+from tide.trainers.mlflow_sink import MlflowSink, champion_folder
 from tide.trainers.online import OnlineConfig, OnlineTrainer, WorkloadTaken, claim_workload
 
 from .conftest import WORKLOADS

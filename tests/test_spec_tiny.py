@@ -143,6 +143,34 @@ def test_continuous_batching_and_hot_swap_leave_outputs_unchanged() -> None:
     assert [s.output for s in seqs] == ref
 
 
+def test_workload_drafts_in_one_batch_leave_outputs_unchanged() -> None:
+    """Three workloads in one batch: two with their own drafts, one on the default draft; drafts
+    swapped and removed mid-flight. Greedy outputs equal the plain decode; each draft counts its own."""
+    target = tiny_target(seed=9, scale=2.0)
+    good = trained_tiny_draft(target, seed=10, vocab=128)
+    d_default, d_b = tiny_draft(target, seed=11), tiny_draft(target, seed=12)
+    prompts = [[i, i + 1, i + 2] for i in range(12)]
+    ref = _reference_greedy(target, prompts, 16)
+    engine = Engine(target, d_default, EngineConfig(max_batch=6, max_model_len=64, gamma=3))
+    engine.set_draft(good, "a")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    workloads = ["a", "b", "c"]
+    seqs = [engine.add(p, params, workload=workloads[i % 3]) for i, p in enumerate(prompts)]
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if steps == 3:
+            engine.set_draft(d_b, "b")
+        if steps == 6:
+            engine.set_draft(None, "a")  # "a" falls back to the default draft
+    assert [s.output for s in seqs] == ref
+    assert engine.draft_versions().keys() == {"default", "b"}
+    assert engine.drafts["b"].stats.steps > 0 and engine.drafts["default"].stats.steps > 0
+    total = sum(slot.stats.steps for slot in engine.drafts.values())
+    assert total < engine.stats.steps  # "a"'s steps on its own draft left with it
+
+
 def test_seeded_sampling_is_reproducible() -> None:
     target = tiny_target(seed=13)
     draft = tiny_draft(target, seed=14)

@@ -248,6 +248,22 @@ def serve(
     capture: str = typer.Option(
         "*=on", "--capture", help="capture rules, e.g. 'code=on,chat=0.25,*=off' (also at /admin/capture)"
     ),
+    registry: str | None = typer.Option(
+        None, "--registry", help="MLflow tracking URI: follow each workload's champion draft (unset: no)"
+    ),
+    registry_poll: float = typer.Option(10.0, "--registry-poll", help="seconds between champion polls"),
+    workloads: str = typer.Option(
+        "", "--workloads", help="workloads to follow from the start, e.g. 'code,fr'"
+    ),
+    node: str | None = typer.Option(
+        None, "--node", help="this node's name in registry tags (default: host:port)"
+    ),
+    rollback_tolerance: float = typer.Option(
+        0.25, "--rollback-tolerance", help="live tau may fall this fraction below the gate's prediction"
+    ),
+    rollback_steps: int = typer.Option(
+        200, "--rollback-steps", help="sequence steps before a new draft is judged"
+    ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """OpenAI-compatible HTTP server over the speculative engine."""
@@ -266,6 +282,22 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="--capture") from None
     from tide.serving.engine import EngineConfig
 
+    sync = None
+    if registry:
+        import socket
+
+        from tide.config import cache_dir
+        from tide.serving.capture import check_workload
+        from tide.serving.draft_sync import SyncConfig
+
+        try:
+            follow = tuple(check_workload(w.strip()) for w in workloads.split(",") if w.strip())
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--workloads") from None
+        sync = SyncConfig(
+            registry, cache_dir() / "registry", node or f"{socket.gethostname()}:{port}", registry_poll,
+            follow, rollback_tolerance, rollback_steps,
+        )  # fmt: skip
     _setup_logging(verbose)
     with _clear_errors():
         api = build_app(
@@ -277,8 +309,55 @@ def serve(
                 admin_token=admin_token, max_queue=max_queue, max_body_bytes=max_body_bytes, capture=policy
             ),
             PublisherConfig(kafka, codec, chunk_positions) if kafka else None,
+            sync,
         )
     uvicorn.run(api, host=host, port=port, log_level="info")
+
+
+@app.command("gate")
+def gate(
+    mlflow: str = typer.Option(..., "--mlflow", help="tracking URI of the registry"),
+    kafka: str = typer.Option(..., "--kafka", help="bootstrap servers: held-out records come from there"),
+    model: str | None = typer.Option(
+        None, "--model", help="the target (only its embedding and LM head are read)"
+    ),
+    once: bool = typer.Option(False, "--once", help="one pass over every workload, then exit"),
+    poll_seconds: float = typer.Option(10.0, "--poll-seconds"),
+    margin: float = typer.Option(
+        0.02, "--margin", help="fraction by which a candidate must beat the baseline"
+    ),
+    min_speedup: float = typer.Option(1.0, "--min-speedup", help="predicted speedup a candidate must reach"),
+    min_tau: float = typer.Option(
+        1.2, "--min-tau", help="tokens per step to reach while no profile is known"
+    ),
+    gamma: int = typer.Option(4, "--gamma", help="the serving gamma, used while no profile is known"),
+    min_positions: int = typer.Option(256, "--min-positions", help="held-out positions needed to decide"),
+    verbose: bool = typer.Option(False, "--verbose"),
+) -> None:
+    """The acceptance gate: promote a candidate to `champion` only if it beats what serves now."""
+    from tide.config import cache_dir
+    from tide.models.loader import load_head
+    from tide.registry.gate import Gate, GateConfig
+
+    _setup_logging(verbose)
+    with _clear_errors():
+        head = load_head(model)
+        cfg = GateConfig(
+            mlflow, kafka, cache_dir() / "gate", margin=margin, min_speedup=min_speedup, min_tau=min_tau,
+            gamma=gamma, gamma_max=max(4, gamma), min_positions=min_positions,
+        )  # fmt: skip
+        g = Gate(cfg, head)
+        try:
+            if once:
+                for d in g.run_once():
+                    typer.echo(json.dumps({"model": d.name, "version": d.version, "decision": d.decision,
+                                           "reason": d.reason}))  # fmt: skip
+            else:
+                g.run(poll_seconds)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            g.close()
 
 
 @bench_app.command("spec")

@@ -7,7 +7,6 @@ records consumed, target fingerprint, draft version, and the sha256 of every fil
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 from mlflow import MlflowClient
 
+from tide.registry.store import CHAMPION, alias_version, download_version, model_name, register_version
 from tide.trainers.export import export_all
 from tide.trainers.online import Candidate
 
@@ -22,36 +22,10 @@ log = logging.getLogger("tide.trainers")
 EXPERIMENT = "tide-drafts"
 
 
-def model_name(fingerprint: str, workload: str) -> str:
-    return f"tide-draft-{fingerprint[:12]}-{workload}"
-
-
-def file_hashes(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
 def champion_folder(sink: MlflowSink, state_dir: Path) -> Path | None:
     """Download the workload's champion, if it has one, to start training from it."""
-    try:
-        mv = sink.client.get_model_version_by_alias(sink.name, "champion")
-    except Exception:  # no alias yet (MlflowException): the caller falls back to the default draft
-        return None
-    out = state_dir / "champion" / str(mv.version)
-    artifact = _artifact_path(mv.source or "")
-    local = out / Path(artifact).name  # where MLflow puts a downloaded folder
-    if not (local / "model.safetensors").exists():
-        out.mkdir(parents=True, exist_ok=True)
-        local = Path(sink.client.download_artifacts(mv.run_id or "", artifact, str(out)))
-    return local
-
-
-def _artifact_path(source: str) -> str:
-    # "runs:/<run id>/<path>" -> "<path>"
-    return source.split("/", 2)[2] if source.startswith("runs:/") else source
+    mv = alias_version(sink.client, sink.name, CHAMPION)
+    return download_version(sink.client, mv, state_dir / "champion") if mv is not None else None
 
 
 class MlflowSink:
@@ -91,7 +65,6 @@ class MlflowSink:
         self.log_step(step, metrics)
         export_all(c.folder)
         artifact_path = f"candidates/{c.version}"
-        self.client.log_artifacts(self.run_id, str(c.folder), artifact_path)
         offsets = {k: [c.ledger.first_offsets.get(k, 0), v] for k, v in sorted(c.ledger.offsets.items())}
         tags = {
             "workload": self.workload,
@@ -101,11 +74,8 @@ class MlflowSink:
             "steps": str(step),
             "offset_range": ";".join(f"{k}={a}..{b}" for k, (a, b) in offsets.items()),
             "held_out_tau": f"{c.metrics.tau[-1]:.4f}",
-            **{f"sha256.{name}": digest for name, digest in file_hashes(c.folder).items()},
         }
-        mv = self.client.create_model_version(
-            self.name, f"runs:/{self.run_id}/{artifact_path}", run_id=self.run_id, tags=tags
-        )
+        mv = register_version(self.client, self.name, self.run_id, c.folder, artifact_path, tags)
         log.info("candidate %s registered as %s version %s", c.version, self.name, mv.version)
 
     def close(self, status: str = "FINISHED") -> None:

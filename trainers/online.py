@@ -15,7 +15,6 @@ import logging
 import random
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead
 from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HiddenStateRecord
+from tide.registry.store import HELD_OUT_PERCENT, is_held_out
 from tide.trainers.checkpoint import Ledger, load_checkpoint, save_checkpoint
 from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, select_vocab
 
@@ -44,7 +44,7 @@ class OnlineConfig:
     state_dir: Path  # checkpoints and candidates of this workload
     batch_size: int = 4  # new records per step; as many again come from the replay buffer
     replay_size: int = 2000  # examples kept for replay (and saved with the checkpoint)
-    held_out_percent: int = 10  # requests whose records only ever evaluate
+    held_out_percent: int = HELD_OUT_PERCENT  # requests whose records only ever evaluate
     held_out_size: int = 200
     vocab_warmup_positions: int = 2048  # positions read before the draft vocabulary is refitted
     checkpoint_every: int = 50  # steps
@@ -185,7 +185,7 @@ class OnlineTrainer:
                 continue
             self.ledger.trained.add(key)
             self.ledger.records += 1
-            held = zlib.crc32(c.record.request_id.encode()) % 100 < self.cfg.held_out_percent
+            held = is_held_out(c.record.request_id, self.cfg.held_out_percent)
             ex = example_of(c.record, self.head.lm_head if held else None)
             if ex is None:
                 continue

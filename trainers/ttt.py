@@ -202,21 +202,29 @@ class Trainer:
         self.steps += 1
         return float(loss.detach())
 
-    @torch.no_grad()
     def evaluate(self, examples: list[Example]) -> Metrics:
         self.draft.eval()
-        losses, corrects, valids = [], [], []
-        for i in range(0, len(examples), self.cfg.batch_size):
-            batch = self._to_device(collate(examples[i : i + self.cfg.batch_size], 10**9))
-            loss, c, v = ttt_forward(
-                self.draft, self.lm_head, batch, self.cfg.ttt_steps, self.cfg.step_weight
-            )
-            losses.append(float(loss))
-            corrects.append(c)
-            valids.append(v)
-        self.draft.train()
-        steps = self.cfg.ttt_steps
-        flat_c = [torch.cat([c[k].flatten() for c in corrects]) for k in range(steps)]
-        flat_v = [torch.cat([v[k].flatten() for v in valids]) for k in range(steps)]
-        top1 = [float((c & v).sum()) / max(1.0, float(v.sum())) for c, v in zip(flat_c, flat_v, strict=True)]
-        return Metrics(sum(losses) / max(1, len(losses)), top1, chain_tau(flat_c, flat_v))
+        try:
+            return evaluate(self.draft, self.lm_head, examples, self.cfg)
+        finally:
+            self.draft.train()
+
+
+@torch.no_grad()
+def evaluate(draft: Eagle3Draft, lm_head: torch.Tensor, examples: list[Example], cfg: TrainConfig) -> Metrics:
+    """Held-out metrics of a draft (in eval mode, on lm_head's device): loss, top-1 and chain tau."""
+    losses, corrects, valids = [], [], []
+    for i in range(0, len(examples), cfg.batch_size):
+        batch = {
+            k: v.to(lm_head.device, non_blocking=True)
+            for k, v in collate(examples[i : i + cfg.batch_size], 10**9).items()
+        }
+        loss, c, v = ttt_forward(draft, lm_head, batch, cfg.ttt_steps, cfg.step_weight)
+        losses.append(float(loss))
+        corrects.append(c)
+        valids.append(v)
+    steps = cfg.ttt_steps
+    flat_c = [torch.cat([c[k].flatten() for c in corrects]) for k in range(steps)]
+    flat_v = [torch.cat([v[k].flatten() for v in valids]) for k in range(steps)]
+    top1 = [float((c & v).sum()) / max(1.0, float(v.sum())) for c, v in zip(flat_c, flat_v, strict=True)]
+    return Metrics(sum(losses) / max(1, len(losses)), top1, chain_tau(flat_c, flat_v))

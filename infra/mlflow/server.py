@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import IO
 import httpx
 
 from tide.infra.process import free_port, log_tail, stop_group
+from tide.infra.s3.server import S3Server
 
 
 class MlflowServerError(RuntimeError):
@@ -31,8 +33,10 @@ class MlflowServer:
     data_dir: Path
     port: int | None = None
     host: str = "127.0.0.1"
-    artifacts: str | None = None  # e.g. s3://bucket/mlflow; default: data_dir/artifacts
-    env: dict[str, str] = field(default_factory=dict)  # e.g. MLFLOW_S3_ENDPOINT_URL and AWS keys
+    artifacts: str | None = None  # local mode: where the server keeps artifacts; default: data_dir/artifacts
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the server
+    s3: S3Server | None = None  # S3 mode: artifacts in s3://<bucket>/mlflow, reached by clients directly
+    bucket: str = "tide-drafts"
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _log: IO[bytes] | None = field(default=None, repr=False)
 
@@ -46,30 +50,58 @@ class MlflowServer:
     def log_path(self) -> Path:
         return self.data_dir / "mlflow.log"
 
+    @property
+    def artifact_root(self) -> str:
+        if self.s3 is not None:
+            return f"s3://{self.bucket}/mlflow"
+        return self.artifacts or str(self.data_dir / "artifacts")
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def start(self, timeout: float = 120) -> MlflowServer:
+        if self.running:
+            return self
+        self.stop()  # a server that died on its own: reap it and close its log
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
-        artifacts = self.artifacts or str(self.data_dir / "artifacts")
         args = [sys.executable, "-m", "mlflow", "server",
                 "--backend-store-uri", f"sqlite:///{self.data_dir / 'mlflow.db'}",
-                "--artifacts-destination", artifacts,
                 "--host", self.host, "--port", str(self.port), "--workers", "1"]  # fmt: skip
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **self.env}
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        if self.s3 is not None:
+            if not self.s3.running:
+                raise MlflowServerError("S3 mode: start the S3 server before the MLflow server")
+            self.s3.ensure_bucket(self.bucket)
+            # runs get s3:// artifact URIs: clients read and write the bucket themselves, with S3Server.env
+            args += ["--default-artifact-root", self.artifact_root, "--no-serve-artifacts"]
+            env |= self.s3.env
+        else:
+            args += ["--artifacts-destination", self.artifact_root]
+        env |= self.env
         self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if self.process is not None and self.process.poll() is not None:
                 raise MlflowServerError(f"mlflow server exited:\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
+                    return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise MlflowServerError(f"mlflow server did not answer within {timeout:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
@@ -81,6 +113,11 @@ class MlflowServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def restart(self, timeout: float = 120) -> MlflowServer:
+        """Stop and start again on the same port, store and artifacts."""
+        self.stop()
+        return self.start(timeout)
 
     def __enter__(self) -> MlflowServer:
         return self.start()
@@ -95,16 +132,31 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="a local MLflow tracking server, in the foreground")
     parser.add_argument("--data", type=Path, default=Path.home() / ".cache" / "tide" / "mlflow")
     parser.add_argument("--port", type=int, default=5000)
+    parser.add_argument(
+        "--s3", action="store_true", help="artifacts in a local S3 server (versitygw) in DATA/s3"
+    )
+    parser.add_argument("--bucket", default=MlflowServer.bucket, help="the S3 mode's bucket")
     args = parser.parse_args(argv)
-    server = MlflowServer(args.data, args.port).start()
-    print(f"MLflow UI: {server.url}", flush=True)
+    # a supervisor's SIGTERM must unwind through stop(): the servers are in their own process groups
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    s3 = S3Server(args.data / "s3").start() if args.s3 else None
+    server: MlflowServer | None = None
     try:
-        while server.process is not None and server.process.poll() is None:
+        server = MlflowServer(args.data, args.port, s3=s3, bucket=args.bucket).start()
+        print(f"MLflow UI: {server.url}", flush=True)
+        if s3 is not None:
+            print(f"artifacts: {server.artifact_root} on {s3.endpoint_url}; clients need:", flush=True)
+            for k, v in s3.env.items():
+                print(f"  export {k}={v}", flush=True)
+        while server.running:
             time.sleep(1)
     except KeyboardInterrupt:
         pass
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
+        if s3 is not None:
+            s3.stop()
 
 
 if __name__ == "__main__":

@@ -135,21 +135,30 @@ class KVCache:
 
 @dataclass
 class Batch:
-    """Where a forward pass reads and writes: sequences in the contiguous slots [slot0, slot0 + B)."""
+    """Where a forward pass reads and writes: sequences in the contiguous slots [slot0, slot0 + B),
+    or, when `slots` is given, in those slots (a gather: only the small draft layer uses it)."""
 
     slot0: int
     positions: torch.Tensor  # (B, T) absolute positions of the new tokens
     write_positions: torch.Tensor  # (B, T) where their K/V go (padding goes to a scratch position)
     mask: torch.Tensor  # (B, 1, T, L) True where attention is allowed
     kv_len: int  # L: keys [0, L) are read
+    slots: torch.Tensor | None = None  # (B,) cache rows when they are not contiguous
 
     @classmethod
-    def make(cls, slot0: int, positions: torch.Tensor, valid: torch.Tensor | None, capacity: int) -> Batch:
+    def make(
+        cls,
+        slot0: int,
+        positions: torch.Tensor,
+        valid: torch.Tensor | None,
+        capacity: int,
+        slots: torch.Tensor | None = None,
+    ) -> Batch:
         kv_len = int(positions.max().item()) + 1
         keys = torch.arange(kv_len)
         mask = keys.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)
         write = positions if valid is None else torch.where(valid, positions, capacity - 1)
-        return cls(slot0, positions, write, mask, kv_len)
+        return cls(slot0, positions, write, mask, kv_len, slots)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -166,6 +175,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def write_kv(cache: torch.Tensor, batch: Batch, x: torch.Tensor) -> torch.Tensor:
     """Store x (B, T, KVH, hd) into a (slots, KVH, cap, hd) cache; return the (B, KVH, L, hd) view to read."""
+    if batch.slots is not None:
+        cache[batch.slots.unsqueeze(1), :, batch.write_positions] = x
+        return cache[batch.slots, :, : batch.kv_len]
     bsz = x.shape[0]
     rows = torch.arange(batch.slot0, batch.slot0 + bsz).unsqueeze(1)
     cache[rows, :, batch.write_positions] = x

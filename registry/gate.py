@@ -1,0 +1,273 @@
+"""The acceptance gate: a candidate becomes `champion` only if it beats what serves its workload now.
+
+For the newest undecided version of each workload's registered model, the candidate and the draft
+serving that workload (its champion, else the `default` workload's champion) are evaluated on the
+same held-out records: tau for gamma = 1..gamma_max (greedy chain, from the target's own states),
+and the cost model's speedup at the step times a serving node last measured (the registered
+model's `serving.profile` tag). The score is the best speedup over gamma, or tau at the serving
+gamma while no node has published a profile. A candidate is promoted when it passes the minimum
+and beats the baseline by the margin; the old champion moves to `previous`. Every decision leaves
+its figures and reason as `gate.*` tags on the version.
+
+Held-out records are those of requests the trainers never learn from (`store.is_held_out`), read
+from the workload's topic from the start of its retention on every gate start (no commits).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion, RegisteredModel
+
+from tide.models.eagle3 import DraftLoadError, DraftMismatchError, Eagle3Draft
+from tide.models.loader import TargetHead
+from tide.producers.consumer import RecordConsumer
+from tide.registry.store import (
+    CHAMPION,
+    PREVIOUS,
+    PROFILE_TAG,
+    ArtifactRefused,
+    alias_version,
+    download_version,
+    is_held_out,
+    model_name,
+    model_prefix,
+    set_tags,
+)
+from tide.serving.cost_model import StepProfile
+from tide.trainers.online import example_of
+from tide.trainers.ttt import Example, TrainConfig, evaluate
+
+log = logging.getLogger("tide.registry")
+
+
+@dataclass
+class GateConfig:
+    tracking_uri: str
+    bootstrap: str  # Kafka: the held-out records
+    cache_dir: Path  # downloaded versions
+    margin: float = 0.02  # the candidate's score must beat the baseline's by this fraction
+    min_speedup: float = 1.0  # predicted speedup over no speculation the candidate must reach
+    min_tau: float = 1.2  # without a serving profile: tokens per step at `gamma` to reach
+    gamma: int = 4  # the serving gamma, used while no profile is known
+    gamma_max: int = 4
+    min_positions: int = 256  # held-out positions needed before any decision
+    held_out_size: int = 200  # most recent held-out examples kept per workload
+
+
+@dataclass
+class Evaluation:
+    version: str
+    tau: list[float]  # gamma = 1..gamma_max
+    speedup: list[float] | None  # the same, through the cost model (None: no profile)
+
+    @property
+    def best_gamma(self) -> int:
+        scores = self.speedup if self.speedup is not None else self.tau
+        return 1 + max(range(len(scores)), key=scores.__getitem__)
+
+    def score(self, gamma: int) -> float:
+        """Best predicted speedup; without a profile, tau at the serving gamma."""
+        return max(self.speedup) if self.speedup is not None else self.tau[gamma - 1]
+
+
+@dataclass
+class Decision:
+    name: str
+    version: str
+    decision: str  # promoted, refused, skipped
+    reason: str
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+def parse_profile(raw: str | None) -> StepProfile | None:
+    if not raw:
+        return None
+    try:
+        return StepProfile.from_json(raw)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        log.warning("ignoring an unreadable %s tag", PROFILE_TAG)
+        return None
+
+
+class HeldOut:
+    """A workload's most recent held-out examples, read from its topic."""
+
+    def __init__(self, bootstrap: str, workload: str, head: TargetHead, size: int):
+        self.head = head
+        self.size = size
+        self.examples: list[Example] = []
+        self.consumer = RecordConsumer(bootstrap, [workload], f"tide-gate.{workload}", head.fingerprint)
+
+    def drain(self, budget_s: float = 5.0) -> list[Example]:
+        deadline = time.monotonic() + budget_s
+        while time.monotonic() < deadline:
+            batch = self.consumer.poll(256, 0.5)
+            if not batch:
+                break
+            for c in batch:
+                if not is_held_out(c.record.request_id):
+                    continue
+                ex = example_of(c.record, self.head.lm_head)
+                if ex is not None:
+                    self.examples.append(ex)
+            self.examples = self.examples[-self.size :]
+        return self.examples
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class Gate:
+    def __init__(self, cfg: GateConfig, head: TargetHead):
+        self.cfg = cfg
+        self.head = head
+        self.client = MlflowClient(cfg.tracking_uri)
+        self.held_out: dict[str, HeldOut] = {}
+        self.train_cfg = TrainConfig(ttt_steps=cfg.gamma_max)
+
+    # -- one pass over every workload ---------------------------------------------------------------
+    def run_once(self) -> list[Decision]:
+        prefix = model_prefix(self.head.fingerprint)
+        decisions: list[Decision] = []
+        for rm in self.client.search_registered_models(f"name LIKE '{prefix}%'"):
+            decisions += self.gate_model(rm, rm.name[len(prefix) :])
+        return decisions
+
+    def run(self, poll_seconds: float, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            try:
+                for d in self.run_once():
+                    log.info("%s v%s %s: %s", d.name, d.version, d.decision, d.reason)
+            except Exception as e:  # a registry or broker that went away: try again next round
+                log.warning("gate pass failed, retrying in %.0f s: %s", poll_seconds, e)
+            stop.wait(poll_seconds)
+
+    def gate_model(self, rm: RegisteredModel, workload: str) -> list[Decision]:
+        versions = self.client.search_model_versions(f"name = '{rm.name}'")
+        undecided = sorted((v for v in versions if "gate.decision" not in (v.tags or {})), key=_number)
+        if not undecided:
+            return []
+        newest = undecided[-1]
+        decisions = [
+            self._record(v, "skipped", f"superseded by version {newest.version} before it was gated", {})
+            for v in undecided[:-1]
+        ]
+        if workload not in self.held_out:
+            self.held_out[workload] = HeldOut(self.cfg.bootstrap, workload, self.head, self.cfg.held_out_size)
+        examples = self.held_out[workload].drain()
+        positions = sum(max(0, len(e.tokens) - e.learn_from) for e in examples)
+        if positions < self.cfg.min_positions:
+            log.info("%s: %d held-out positions, waiting for %d", rm.name, positions, self.cfg.min_positions)
+            return decisions
+        profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
+        return [*decisions, self._decide(rm, workload, newest, examples, positions, profile)]
+
+    # -- a decision -----------------------------------------------------------------------------
+    def _decide(
+        self,
+        rm: RegisteredModel,
+        workload: str,
+        cand: ModelVersion,
+        examples: list[Example],
+        positions: int,
+        profile: StepProfile | None,
+    ) -> Decision:
+        gamma = self.cfg.gamma
+        tags: dict[str, str] = {"gate.held_out_positions": str(positions), "gate.profile": _describe(profile)}
+        try:
+            ev = self.evaluate(cand, examples, profile)
+        except ArtifactRefused as e:
+            return self._record(cand, "refused", f"{e.reason}: {e}", tags)
+        except (DraftLoadError, DraftMismatchError, OSError) as e:
+            kind = "foreign target" if isinstance(e, DraftMismatchError) else "unloadable"
+            return self._record(cand, "refused", f"{kind}: {e}", tags)
+        tags |= _figures("gate", ev, gamma)
+        base_mv, base = self._baseline(rm, workload, cand, examples, profile)
+        if base is not None and base_mv is not None:
+            tags |= _figures("gate.baseline", base, gamma)
+            tags["gate.baseline"] = f"{base_mv.name} v{base_mv.version}"
+        else:
+            tags["gate.baseline"] = "none"
+        score = ev.score(gamma)
+        minimum, unit = (self.cfg.min_speedup, "speedup") if profile else (self.cfg.min_tau, f"tau@{gamma}")
+        if score < minimum:
+            return self._record(cand, "refused", f"{unit} {score:.3f} below the minimum {minimum:.3f}", tags)
+        if base is not None:
+            needed = base.score(gamma) * (1 + self.cfg.margin)
+            if score < needed:
+                reason = (f"{unit} {score:.3f} does not beat the baseline's {base.score(gamma):.3f} "
+                          f"by {self.cfg.margin:.0%} (needs {needed:.3f})")  # fmt: skip
+                return self._record(cand, "refused", reason, tags)
+        old = alias_version(self.client, rm.name, CHAMPION)
+        if old is not None:
+            self.client.set_registered_model_alias(rm.name, PREVIOUS, old.version)
+        self.client.set_registered_model_alias(rm.name, CHAMPION, cand.version)
+        over = f"baseline {base.score(gamma):.3f}" if base is not None else "no baseline"
+        return self._record(cand, "promoted", f"{unit} {score:.3f} (over {over})", tags)
+
+    def _baseline(
+        self,
+        rm: RegisteredModel,
+        workload: str,
+        cand: ModelVersion,
+        examples: list[Example],
+        profile: StepProfile | None,
+    ) -> tuple[ModelVersion | None, Evaluation | None]:
+        """What serves the workload now: its champion, else the default workload's champion."""
+        mv = alias_version(self.client, rm.name, CHAMPION)
+        if mv is None and workload != "default":
+            mv = alias_version(self.client, model_name(self.head.fingerprint, "default"), CHAMPION)
+        if mv is None or (mv.name == cand.name and mv.version == cand.version):
+            return None, None
+        try:
+            return mv, self.evaluate(mv, examples, profile)
+        except (ArtifactRefused, DraftLoadError, DraftMismatchError, OSError) as e:
+            log.warning("baseline %s v%s unusable, gating without it: %s", mv.name, mv.version, e)
+            return None, None
+
+    def evaluate(self, mv: ModelVersion, examples: list[Example], profile: StepProfile | None) -> Evaluation:
+        folder = download_version(self.client, mv, self.cfg.cache_dir)
+        h = self.head
+        draft = Eagle3Draft.load(folder, h.embed, h.config, h.fingerprint, torch.float32).eval()
+        m = evaluate(draft, h.lm_head, examples, self.train_cfg)
+        speedup = None
+        if profile is not None:
+            speedup = [profile.speedup_at(t, g) for g, t in enumerate(m.tau, start=1)]
+        return Evaluation(str(mv.version), m.tau, speedup)
+
+    def _record(self, mv: ModelVersion, decision: str, reason: str, tags: dict[str, str]) -> Decision:
+        all_tags = {**tags, "gate.decision": decision, "gate.reason": reason,
+                    "gate.time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+        set_tags(self.client, mv, dict(all_tags))
+        return Decision(mv.name, str(mv.version), decision, reason, all_tags)
+
+    def close(self) -> None:
+        for h in self.held_out.values():
+            h.close()
+
+
+def _number(mv: ModelVersion) -> int:
+    return int(mv.version)
+
+
+def _figures(prefix: str, ev: Evaluation, gamma: int) -> dict[str, str]:
+    out = {f"{prefix}.tau_gamma{g}": f"{t:.4f}" for g, t in enumerate(ev.tau, start=1)}
+    if ev.speedup is not None:
+        out |= {f"{prefix}.speedup_gamma{g}": f"{s:.4f}" for g, s in enumerate(ev.speedup, start=1)}
+    out[f"{prefix}.best_gamma"] = str(ev.best_gamma)
+    out[f"{prefix}.score"] = f"{ev.score(gamma):.4f}"
+    return out
+
+
+def _describe(profile: StepProfile | None) -> str:
+    if profile is None:
+        return "none (no serving node has published step times)"
+    return f"batch {profile.batch_size}: T(1) {profile.target[1] * 1e3:.1f} ms, draft {profile.draft_step * 1e3:.2f} ms"
