@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import shutil
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -90,12 +91,20 @@ def download_version(client: MlflowClient, mv: ModelVersion, root: Path) -> Path
     artifact = _artifact_path(mv.source or "")
     local = out / Path(artifact).name  # where MLflow puts a downloaded folder
     if not (local / "config.json").exists():
-        tmp = out.with_name(f"{out.name}.part")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        client.download_artifacts(mv.run_id or "", artifact, str(tmp))
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        # several processes may share the cache: each downloads into its own folder, the first
+        # rename wins, and whichever copy stays is checked below
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            client.download_artifacts(mv.run_id or "", artifact, str(tmp))
+            if not (local / "config.json").exists():
+                shutil.rmtree(out, ignore_errors=True)
+                tmp.rename(out)
+        except OSError:
+            if not (local / "config.json").exists():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     actual = file_hashes(local)
     wrong = sorted(f for f, digest in expected.items() if actual.get(f) != digest)
     if wrong:

@@ -191,7 +191,7 @@ class Engine:
         self.workloads_seen: set[str] = set()  # the registry follower polls their drafts
         if draft is not None:
             self.set_draft(draft)
-            self._swap_if_pending()
+            self.swap_pending_drafts()
 
     # -- requests ---------------------------------------------------------------------------------
     def add(
@@ -292,7 +292,8 @@ class Engine:
         slot = self.drafts.get("default")
         return slot.version if slot is not None else "none"
 
-    def _swap_if_pending(self) -> None:
+    def swap_pending_drafts(self) -> None:
+        """Take over queued drafts: at the start of each step, and from an idle engine's loop."""
         with self._lock:
             pending, self._pending = self._pending, {}
         if not pending:
@@ -325,7 +326,7 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        self._swap_if_pending()
+        self.swap_pending_drafts()
         outputs: list[StepOutput] = []
         self._drop_finished()
         while self.waiting and len(self.running) < self.cfg.max_batch:

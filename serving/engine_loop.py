@@ -79,6 +79,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self.stopped:
             if not self.engine.has_work:
+                self.engine.swap_pending_drafts()  # an idle node shows its new draft right away
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +24,12 @@ from tide.infra.s3.server import S3Server
 from tide.models.eagle3 import DraftConfig, Eagle3Draft
 from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.loader import Target, load_target
+from tide.producers.consumer import RecordConsumer
+from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.prompts import load_prompts
+from tide.registry.store import is_held_out
+from tide.serving.engine import Engine, EngineConfig
+from tide.serving.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "workloads"
@@ -212,3 +220,33 @@ def registry(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     os.environ.update(s3.env)
     with MlflowServer(tmp_path_factory.mktemp("registry"), s3=s3, bucket="tide-drafts") as server:
         yield server
+
+
+def serve_into_kafka(
+    target: Target, bootstrap: str, workload: str, prompt_file: str, n: int, held_out: bool = False
+) -> set[str]:
+    """The target answers n prompts with capture on; returns the (request id, chunk) keys in the topic.
+    With `held_out`, every request id is one the trainers only ever evaluate on."""
+    publisher = RecordPublisher(
+        PublisherConfig(bootstrap, "int8-g64", chunk_positions=48), target.fingerprint
+    )
+    engine = Engine(target, None, EngineConfig(max_batch=8, max_model_len=512, gamma=0), tap=publisher)
+    prompts = [p.token_ids(target.tok)[-200:] for p in load_prompts(WORKLOADS / prompt_file)[:n]]
+    ids = (f"{workload}-{i}" for i in itertools.count())
+    for p in prompts:
+        rid = next(i for i in ids if is_held_out(i) == held_out) if held_out else None
+        engine.add(p, SamplingParams(max_tokens=64), rid, workload=workload)
+    while engine.has_work:
+        engine.step()
+    publisher.close()
+    assert publisher.stats.records_dropped == publisher.stats.records_failed == 0
+    reader = RecordConsumer(bootstrap, [workload], f"check-{uuid.uuid4().hex[:6]}", target.fingerprint)
+    keys: set[str] = set()
+    idle = time.monotonic()
+    while time.monotonic() - idle < 5:
+        for c in reader.poll(64, 1.0):
+            keys.add(f"{c.record.request_id}:{c.record.chunk}")
+            idle = time.monotonic()
+    reader.close()
+    assert len(keys) == publisher.stats.records_published
+    return keys

@@ -21,49 +21,19 @@ from mlflow import MlflowClient
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_head
-from tide.producers.consumer import RecordConsumer
-from tide.producers.publisher import PublisherConfig, RecordPublisher
-from tide.prompts import load_prompts
 from tide.registry.store import model_name
-from tide.serving.engine import Engine, EngineConfig
-from tide.serving.sampling import SamplingParams
 from tide.trainers.checkpoint import Ledger, load_checkpoint
 from tide.trainers.mlflow_sink import MlflowSink, champion_folder
 from tide.trainers.online import OnlineConfig, OnlineTrainer, WorkloadTaken, claim_workload
 
-from .conftest import WORKLOADS
-
-
-def _serve_into_kafka(target: Target, bootstrap: str, workload: str, prompt_file: str, n: int) -> set[str]:
-    """The target answers n prompts with capture on; returns the (request id, chunk) keys in the topic."""
-    publisher = RecordPublisher(
-        PublisherConfig(bootstrap, "int8-g64", chunk_positions=48), target.fingerprint
-    )
-    engine = Engine(target, None, EngineConfig(max_batch=8, max_model_len=512, gamma=0), tap=publisher)
-    prompts = [p.token_ids(target.tok)[-200:] for p in load_prompts(WORKLOADS / prompt_file)[:n]]
-    for p in prompts:
-        engine.add(p, SamplingParams(max_tokens=64), workload=workload)
-    while engine.has_work:
-        engine.step()
-    publisher.close()
-    assert publisher.stats.records_dropped == publisher.stats.records_failed == 0
-    reader = RecordConsumer(bootstrap, [workload], f"check-{uuid.uuid4().hex[:6]}", target.fingerprint)
-    keys: set[str] = set()
-    idle = time.monotonic()
-    while time.monotonic() - idle < 5:
-        for c in reader.poll(64, 1.0):
-            keys.add(f"{c.record.request_id}:{c.record.chunk}")
-            idle = time.monotonic()
-    reader.close()
-    assert len(keys) == publisher.stats.records_published
-    return keys
+from .conftest import serve_into_kafka
 
 
 def test_trainer_publishes_candidates_with_their_evidence(
     kafka: KafkaBroker, mlflow_server: str, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     workload = f"fr-{uuid.uuid4().hex[:6]}"
-    published = _serve_into_kafka(target_bf16, kafka.bootstrap, workload, "chat_fr.jsonl", 24)
+    published = serve_into_kafka(target_bf16, kafka.bootstrap, workload, "chat_fr.jsonl", 24)
     head = load_head()
     cfg = OnlineConfig(kafka.bootstrap, workload, tmp_path / "state", eval_every=4, checkpoint_every=8,
                        publish_every=16, vocab_warmup_positions=512)  # fmt: skip
@@ -136,7 +106,7 @@ def test_sigkill_loses_nothing_and_trains_nothing_twice(
     kafka: KafkaBroker, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     workload = f"kill-{uuid.uuid4().hex[:6]}"
-    published = _serve_into_kafka(target_bf16, kafka.bootstrap, workload, "code.jsonl", 32)
+    published = serve_into_kafka(target_bf16, kafka.bootstrap, workload, "code.jsonl", 32)
     state, log = tmp_path / "state", tmp_path / "train.log"
     proc = _train_process(kafka, workload, state, trained_draft_dir, log)
     deadline = time.monotonic() + 240

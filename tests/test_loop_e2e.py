@@ -1,0 +1,124 @@
+"""The whole loop on one machine, every part real and in its own process: a serving node whose draft
+was trained on code serves French chat → its hidden states flow to Kafka → `tide train` registers
+candidates in MLflow (artifacts in S3) → `tide gate` promotes one that beats the code draft on
+held-out French records → the node swaps it in without a restart → measured acceptance on French
+rises."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from tide.infra.kafka.broker import KafkaBroker
+from tide.infra.mlflow.server import MlflowServer
+from tide.infra.s3.server import S3Server
+from tide.models.loader import Target
+from tide.prompts import load_prompts, split
+
+from .conftest import WORKLOADS, serve_process
+from .drafts import Registrar
+from .test_registry_serving import drafts, metric
+
+
+@contextmanager
+def tide_process(args: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    tide = Path(sys.executable).parent / "tide"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(tide), *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def chat(url: str, workload: str, messages: list[dict[str, str]], capture: bool) -> int:
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "tide", "messages": messages, "max_tokens": 64, "temperature": 0},
+        headers={"X-Tide-Workload": workload, "X-Tide-Capture": "on" if capture else "off"},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["completion_tokens"])
+
+
+def acceptance(url: str, workload: str, prompts: list[list[dict[str, str]]]) -> float:
+    """Tokens per sequence step of the draft serving `workload`, over these prompts only."""
+    key = workload if workload in drafts(url) else "default"
+
+    def totals() -> tuple[float, float]:
+        steps = metric(url, "tide_draft_steps", workload=key)
+        return steps, steps * metric(url, "tide_draft_tokens_per_step", workload=key)
+
+    s0, t0 = totals()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda m: chat(url, workload, m, capture=False), prompts))
+    s1, t1 = totals()
+    assert s1 > s0
+    return (t1 - t0) / (s1 - s0)
+
+
+def test_the_loop_raises_acceptance_on_a_mismatched_workload(
+    kafka: KafkaBroker, s3: S3Server, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
+) -> None:
+    workload = f"fr-{uuid.uuid4().hex[:6]}"
+    fr = load_prompts(WORKLOADS / "chat_fr.jsonl")
+    evaluation = [p.messages for p in split(fr, "test")[:8] if p.messages]
+    traffic = [p.messages for p in split(fr, "train") if p.messages]
+    env = {**os.environ, **s3.env, "OMP_NUM_THREADS": "1"}  # trainer and gate: one core between them
+    # its own registry: a default champion here must not leak into other tests' baselines
+    with MlflowServer(tmp_path / "mlflow", s3=s3, bucket="tide-e2e") as mlflow:
+        # the operator registered the code draft as the default champion: the baseline to beat
+        default = Registrar(mlflow.url, target_bf16.fingerprint, "default")
+        default.champion(default.register(trained_draft_dir))
+        node = ["--draft", str(trained_draft_dir), "--kafka", kafka.bootstrap, "--registry", mlflow.url,
+                "--registry-poll", "2", "--workloads", workload, "--max-batch", "4", "--max-model-len", "768",
+                "--gamma", "3", "--chunk-positions", "48"]  # fmt: skip
+        with serve_process(node, tmp_path / "serve.log", env={**s3.env}) as url:
+            before = acceptance(url, workload, evaluation)  # French on the code draft
+            trainer = ["train", "--kafka", kafka.bootstrap, "--workload", workload, "--mlflow", mlflow.url,
+                       "--state-dir", str(tmp_path / "trainer"), "--eval-every", "10", "--checkpoint-every", "20",
+                       "--vocab-warmup", "1024"]  # fmt: skip
+            gate = ["gate", "--mlflow", mlflow.url, "--kafka", kafka.bootstrap, "--poll-seconds", "3",
+                    "--min-positions", "128"]  # fmt: skip
+            with (
+                tide_process(trainer, tmp_path / "trainer.log", env),
+                tide_process(gate, tmp_path / "gate.log", env),
+            ):
+                deadline = time.monotonic() + 900
+                sent = 0
+                with ThreadPoolExecutor(4) as pool:
+                    while workload not in drafts(url):
+                        assert time.monotonic() < deadline, (
+                            f"no draft swapped in after {sent} requests:\n"
+                            + (tmp_path / "trainer.log").read_text()[-2000:]
+                            + (tmp_path / "gate.log").read_text()[-2000:]
+                        )
+                        batch = [traffic[(sent + i) % len(traffic)] for i in range(8)]
+                        list(pool.map(lambda m: chat(url, workload, m, capture=True), batch))
+                        sent += len(batch)
+                after = acceptance(url, workload, evaluation)  # French on the promoted French draft
+            assert metric(url, "tide_draft_swaps_total") >= 1
+            assert metric(url, "tide_capture_records_published_total") > 0
+        name = Registrar(mlflow.url, target_bf16.fingerprint, workload).name
+        client = default.client
+        champion = client.get_model_version_by_alias(name, "champion")
+        tags = champion.tags
+        assert tags["gate.decision"] == "promoted" and tags["gate.baseline"].startswith(default.name)
+        assert float(tags["gate.score"]) > float(tags["gate.baseline.score"])
+        print(f"\nacceptance on {workload}: {before:.3f} -> {after:.3f} tokens/step after {sent} requests; "
+              f"gate: {tags['gate.reason']}")  # fmt: skip
+        assert after > before + 0.1, (before, after)

@@ -1,0 +1,115 @@
+"""The gate against a real registry (MLflow, artifacts in a real S3 server) and real held-out
+records in Kafka: a better candidate is promoted, worse and broken ones are refused with tags
+saying why, and the old champion stays reachable as `previous`."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tide.infra.kafka.broker import KafkaBroker
+from tide.infra.mlflow.server import MlflowServer
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.loader import Target, load_head
+from tide.registry.gate import Gate, GateConfig
+from tide.registry.store import PROFILE_TAG
+from tide.serving.cost_model import measure_profile
+
+from .conftest import serve_into_kafka
+from .drafts import Registrar, foreign_draft, nan_draft, noisy_draft
+
+
+@pytest.fixture(scope="module")
+def gate_setup(
+    kafka: KafkaBroker, registry: MlflowServer, target_bf16: Target, trained_draft_dir: Path
+) -> tuple[Gate, Registrar]:
+    workload = f"gate-{uuid.uuid4().hex[:6]}"
+    # held-out records of the workload: request ids the trainers never learn from
+    serve_into_kafka(target_bf16, kafka.bootstrap, workload, "code.jsonl", 8, held_out=True)
+    reg = Registrar(registry.url, target_bf16.fingerprint, workload)
+    draft = Eagle3Draft.load(
+        trained_draft_dir, target_bf16.model.embed_tokens, target_bf16.config, target_bf16.fingerprint,
+        torch.bfloat16,
+    )  # fmt: skip
+    # step times as a serving node publishes them: the gate scores by the cost model's speedup
+    profile = measure_profile(target_bf16.model, draft, 1, 256, 5, repeats=3)
+    reg.client.set_registered_model_tag(reg.name, PROFILE_TAG, profile.to_json("test-node"))
+    cfg = GateConfig(registry.url, kafka.bootstrap, registry.data_dir / "gate-cache")
+    gate = Gate(cfg, load_head())
+    return gate, reg
+
+
+def _decide(gate: Gate, reg: Registrar) -> dict[str, str]:
+    decisions = [d for d in gate.run_once() if d.name == reg.name]
+    assert decisions, "the gate decided nothing"
+    return decisions[-1].tags
+
+
+def test_gate_promotes_better_refuses_worse_and_broken(
+    gate_setup: tuple[Gate, Registrar], trained_draft_dir: Path, tmp_path: Path
+) -> None:
+    gate, reg = gate_setup
+    # a weaker draft first: no champion yet, so it only has to pay at all
+    weak = reg.register(noisy_draft(trained_draft_dir, tmp_path / "weak", 0.5))
+    tags = _decide(gate, reg)
+    assert tags["gate.decision"] == "promoted", tags["gate.reason"]
+    assert tags["gate.baseline"] == "none" and float(tags["gate.score"]) >= 1.0
+    assert {f"gate.tau_gamma{g}" for g in range(1, 5)} <= tags.keys()
+    assert {f"gate.speedup_gamma{g}" for g in range(1, 5)} <= tags.keys()
+    assert reg.alias("champion") == str(weak.version)
+
+    # the trained draft beats it: promoted, and the weak one becomes `previous`
+    good = reg.register(trained_draft_dir)
+    tags = _decide(gate, reg)
+    assert tags["gate.decision"] == "promoted", tags["gate.reason"]
+    assert float(tags["gate.score"]) > float(tags["gate.baseline.score"])
+    assert tags["gate.baseline"].endswith(f"v{weak.version}")
+    assert reg.alias("champion") == str(good.version) and reg.alias("previous") == str(weak.version)
+    assert reg.tags(good) == {**reg.tags(good), **tags}  # the evidence is on the version
+
+    # worse than the champion: refused, with both scores and the reason on the version
+    worse = reg.register(noisy_draft(trained_draft_dir, tmp_path / "worse", 0.5, seed=1))
+    tags = _decide(gate, reg)
+    assert tags["gate.decision"] == "refused"
+    assert float(tags["gate.score"]) < float(tags["gate.baseline.score"])
+    assert "baseline" in tags["gate.reason"] or "minimum" in tags["gate.reason"]
+    assert reg.tags(worse)["gate.decision"] == "refused"
+
+    # as good as the champion is not enough: the margin is required
+    same = reg.register(trained_draft_dir)
+    tags = _decide(gate, reg)
+    assert tags["gate.decision"] == "refused" and "does not beat" in tags["gate.reason"], tags["gate.reason"]
+    assert reg.tags(same)["gate.decision"] == "refused"
+
+    # broken versions never get as far as an evaluation
+    reg.register_wrong_checksum(trained_draft_dir)
+    tags = _decide(gate, reg)
+    assert tags["gate.decision"] == "refused" and tags["gate.reason"].startswith("checksum"), tags
+    reg.register(nan_draft(trained_draft_dir, tmp_path / "nan"))
+    tags = _decide(gate, reg)
+    assert tags["gate.decision"] == "refused" and "non-finite" in tags["gate.reason"], tags
+    reg.register(foreign_draft(trained_draft_dir, tmp_path / "foreign"))
+    tags = _decide(gate, reg)
+    assert tags["gate.decision"] == "refused" and tags["gate.reason"].startswith("foreign target"), tags
+    assert reg.alias("champion") == str(good.version)  # through all of it
+
+
+def test_gate_skips_superseded_versions_and_waits_for_held_out_records(
+    gate_setup: tuple[Gate, Registrar], trained_draft_dir: Path, registry: MlflowServer
+) -> None:
+    gate, reg = gate_setup
+    a, b = reg.register(trained_draft_dir), reg.register(trained_draft_dir)
+    decisions = {d.version: d for d in gate.run_once() if d.name == reg.name}
+    assert decisions[str(a.version)].decision == "skipped"
+    assert f"superseded by version {b.version}" in decisions[str(a.version)].reason
+    assert str(b.version) in decisions  # the newest one was gated
+
+    # a workload without held-out records yet: no decision, no tag, until they arrive
+    other = f"quiet-{uuid.uuid4().hex[:6]}"
+    quiet = Registrar(registry.url, gate.head.fingerprint, other)
+    v = quiet.register(trained_draft_dir)
+    assert not [d for d in gate.run_once() if d.name == quiet.name]
+    assert "gate.decision" not in quiet.tags(v)
