@@ -156,6 +156,14 @@ class Gate:
         if not undecided:
             return []
         newest = undecided[-1]
+        champion = alias_version(self.client, rm.name, CHAMPION)
+        if champion is not None and champion.version == newest.version:  # made champion by hand
+            return [
+                self._record(v, "skipped", "made champion outside the gate", {})
+                if v is newest
+                else self._record(v, "skipped", f"superseded by version {newest.version}", {})
+                for v in undecided
+            ]
         decisions = [
             self._record(v, "skipped", f"superseded by version {newest.version} before it was gated", {})
             for v in undecided[:-1]
@@ -165,7 +173,7 @@ class Gate:
         examples = self.held_out[workload].drain()
         positions = sum(max(0, len(e.tokens) - e.learn_from) for e in examples)
         if positions < self.cfg.min_positions:
-            log.info("%s: %d held-out positions, waiting for %d", rm.name, positions, self.cfg.min_positions)
+            log.debug("%s: %d held-out positions, waiting for %d", rm.name, positions, self.cfg.min_positions)
             return decisions
         profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
         return [*decisions, self._decide(rm, workload, newest, examples, positions, profile)]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
 
 from tide.models.eagle3 import DraftLoadError, DraftMismatchError, Eagle3Draft
 from tide.registry.store import (
@@ -125,10 +126,10 @@ class DraftSync:
 
     def _follow(self, workload: str) -> None:
         name = model_name(self.fingerprint, workload)
+        self._publish_profile(name)
         mv = alias_version(self.client, name, CHAMPION)
         if mv is None:
             return
-        self._publish_profile(name)
         now = self.following.get(workload)
         if (now is not None and now.version == str(mv.version)) or (name, str(mv.version)) in self.refused:
             return
@@ -218,9 +219,16 @@ class DraftSync:
         self._profile = profile.to_json(self.cfg.node)
 
     def _publish_profile(self, name: str) -> None:
-        if self._profile is not None and name not in self._profiled:
+        """Once per model, as soon as a trainer has created it (the gate reads it from there)."""
+        if self._profile is None or name in self._profiled:
+            return
+        try:
             self.client.set_registered_model_tag(name, PROFILE_TAG, self._profile)
-            self._profiled.add(name)
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return
+            raise
+        self._profiled.add(name)
 
 
 def _predicted(mv: ModelVersion) -> dict[int, float]:

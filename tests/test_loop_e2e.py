@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
@@ -72,8 +73,15 @@ def acceptance(url: str, workload: str, prompts: list[list[dict[str, str]]]) -> 
 
 
 def test_the_loop_raises_acceptance_on_a_mismatched_workload(
-    kafka: KafkaBroker, s3: S3Server, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
+    kafka: KafkaBroker,
+    s3: S3Server,
+    target_bf16: Target,
+    trained_draft_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    for k, v in s3.env.items():  # this process registers the default draft: it reaches S3 too
+        monkeypatch.setenv(k, v)
     workload = f"fr-{uuid.uuid4().hex[:6]}"
     fr = load_prompts(WORKLOADS / "chat_fr.jsonl")
     evaluation = [p.messages for p in split(fr, "test")[:8] if p.messages]
@@ -95,13 +103,15 @@ def test_the_loop_raises_acceptance_on_a_mismatched_workload(
             gate = ["gate", "--mlflow", mlflow.url, "--kafka", kafka.bootstrap, "--poll-seconds", "3",
                     "--min-positions", "128"]  # fmt: skip
             with (
-                tide_process(trainer, tmp_path / "trainer.log", env),
-                tide_process(gate, tmp_path / "gate.log", env),
+                tide_process(trainer, tmp_path / "trainer.log", env) as trainer_proc,
+                tide_process(gate, tmp_path / "gate.log", env) as gate_proc,
             ):
                 deadline = time.monotonic() + 900
                 sent = 0
                 with ThreadPoolExecutor(4) as pool:
                     while workload not in drafts(url):
+                        for proc, log in ((trainer_proc, "trainer.log"), (gate_proc, "gate.log")):
+                            assert proc.poll() is None, (tmp_path / log).read_text()[-3000:]
                         assert time.monotonic() < deadline, (
                             f"no draft swapped in after {sent} requests:\n"
                             + (tmp_path / "trainer.log").read_text()[-2000:]

@@ -84,7 +84,7 @@ def test_trainer_publishes_candidates_with_their_evidence(
     # the next session starts from the workload's champion
     client.set_registered_model_alias(model_name(head.fingerprint, workload), "champion", v.version)
     again = MlflowSink(mlflow_server, workload, head.fingerprint, {})
-    folder = champion_folder(again, tmp_path / "state2")
+    folder = champion_folder(again.client, head.fingerprint, workload, tmp_path / "state2")
     again.close()
     assert folder is not None
     champion = Eagle3Draft.load(folder, head.embed, head.config, head.fingerprint, torch.float32)

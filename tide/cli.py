@@ -197,9 +197,11 @@ def train_online(
         if mlflow:
             params = {k: v for k, v in asdict(cfg).items() if k != "train"}
             sink = MlflowSink(mlflow, workload, head.fingerprint, params)
+        # the draft serving the workload now: its champion, else the default workload's, else the default draft
         start = (
             start_draft
-            or (champion_folder(sink, state) if sink else None)
+            or (champion_folder(sink.client, head.fingerprint, workload, state) if sink else None)
+            or (champion_folder(sink.client, head.fingerprint, "default", state) if sink else None)
             or default_draft_dir(head.fingerprint)
         )
         if not (start / "model.safetensors").exists():

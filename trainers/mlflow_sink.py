@@ -22,10 +22,10 @@ log = logging.getLogger("tide.trainers")
 EXPERIMENT = "tide-drafts"
 
 
-def champion_folder(sink: MlflowSink, state_dir: Path) -> Path | None:
-    """Download the workload's champion, if it has one, to start training from it."""
-    mv = alias_version(sink.client, sink.name, CHAMPION)
-    return download_version(sink.client, mv, state_dir / "champion") if mv is not None else None
+def champion_folder(client: MlflowClient, fingerprint: str, workload: str, state_dir: Path) -> Path | None:
+    """Download a workload's champion, if it has one, to start training from it."""
+    mv = alias_version(client, model_name(fingerprint, workload), CHAMPION)
+    return download_version(client, mv, state_dir / "champion") if mv is not None else None
 
 
 class MlflowSink:
