@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -27,7 +28,7 @@ from tide.prompts import load_prompts, split
 
 from .conftest import WORKLOADS, serve_process
 from .drafts import Registrar
-from .test_registry_serving import drafts, metric
+from .test_registry_serving import drafts, metric, wait_for
 
 
 @contextmanager
@@ -72,6 +73,10 @@ def acceptance(url: str, workload: str, prompts: list[list[dict[str, str]]]) -> 
     return (t1 - t0) / (s1 - s0)
 
 
+def runs_version(url: str, workload: str, version: str) -> bool:
+    return metric(url, "tide_registry_version", workload=workload, version=version) == 1
+
+
 def test_the_loop_raises_acceptance_on_a_mismatched_workload(
     kafka: KafkaBroker,
     s3: S3Server,
@@ -109,7 +114,7 @@ def test_the_loop_raises_acceptance_on_a_mismatched_workload(
                 deadline = time.monotonic() + 900
                 sent = 0
                 with ThreadPoolExecutor(4) as pool:
-                    while workload not in drafts(url):
+                    while workload not in drafts(url) or sent < 96:  # a swap, and training goes on a while
                         for proc, log in ((trainer_proc, "trainer.log"), (gate_proc, "gate.log")):
                             assert proc.poll() is None, (tmp_path / log).read_text()[-3000:]
                         assert time.monotonic() < deadline, (
@@ -120,15 +125,17 @@ def test_the_loop_raises_acceptance_on_a_mismatched_workload(
                         batch = [traffic[(sent + i) % len(traffic)] for i in range(8)]
                         list(pool.map(lambda m: chat(url, workload, m, capture=True), batch))
                         sent += len(batch)
-                after = acceptance(url, workload, evaluation)  # French on the promoted French draft
+            # trainer and gate stopped: measure on the last champion, once the node runs it
+            name = Registrar(mlflow.url, target_bf16.fingerprint, workload).name
+            champion = default.client.get_model_version_by_alias(name, "champion")
+            wait_for("the last champion", partial(runs_version, url, workload, str(champion.version)))
+            after = acceptance(url, workload, evaluation)  # French on the promoted French draft
             assert metric(url, "tide_draft_swaps_total") >= 1
             assert metric(url, "tide_capture_records_published_total") > 0
-        name = Registrar(mlflow.url, target_bf16.fingerprint, workload).name
-        client = default.client
-        champion = client.get_model_version_by_alias(name, "champion")
         tags = champion.tags
         assert tags["gate.decision"] == "promoted" and tags["gate.baseline"].startswith(default.name)
         assert float(tags["gate.score"]) > float(tags["gate.baseline.score"])
+        assert tags["gate.reason"].startswith("speedup")  # scored at the node's measured step times
         print(f"\nacceptance on {workload}: {before:.3f} -> {after:.3f} tokens/step after {sent} requests; "
               f"gate: {tags['gate.reason']}")  # fmt: skip
         assert after > before + 0.1, (before, after)
