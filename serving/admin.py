@@ -24,13 +24,15 @@ class LoadDraft(BaseModel):
 
 
 class Speculation(BaseModel):
-    gamma: int = Field(ge=0)
+    gamma: int | None = Field(default=None, ge=0)  # a fixed gamma
+    adaptive: bool = False  # or the controller's choice at every step
 
 
 class CaptureSetting(BaseModel):
     workload: str  # "*": the rule for workloads without one of their own
     enabled: bool = True
     fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    auto: bool = False  # the controller decides while the workload needs training
 
 
 def admin_router(engine: Engine, capture: CapturePolicy, token: str | None) -> APIRouter:
@@ -53,7 +55,11 @@ def admin_router(engine: Engine, capture: CapturePolicy, token: str | None) -> A
     def state() -> dict[str, Any]:
         return {
             "drafts": drafts(),
-            "speculation": {"gamma": engine.cfg.gamma, "max_gamma": engine.cfg.max_gamma},
+            "speculation": {
+                "gamma": engine.gamma,
+                "adaptive": engine.adaptive,
+                "max_gamma": engine.cfg.max_gamma,
+            },
             "capture": capture.snapshot(),
             "accept_rate_by_depth": engine.stats.rates(),
             "queue_depth": len(engine.waiting),
@@ -80,10 +86,28 @@ def admin_router(engine: Engine, capture: CapturePolicy, token: str | None) -> A
     @router.put("/speculation")
     def set_speculation(body: Speculation) -> dict[str, Any]:
         try:
-            engine.set_gamma(body.gamma)
+            if body.adaptive:
+                engine.set_adaptive()
+            elif body.gamma is not None:
+                engine.set_gamma(body.gamma)
+            else:
+                raise ValueError("give a fixed 'gamma' or 'adaptive': true")
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
-        return {"gamma": engine.cfg.gamma}
+        return {"gamma": engine.gamma, "adaptive": engine.adaptive}
+
+    @router.get("/controller")
+    def controller() -> dict[str, Any]:
+        c = engine.controller
+        if c is None:
+            return {"adaptive": False, "gamma": engine.gamma}
+        return {
+            "adaptive": engine.adaptive,
+            "gamma": engine.gamma,
+            "predicted_speedup": c.last.predicted_speedup,
+            "measured_speedup": c.measured_speedup,
+            "workloads": {w: {**snap, "capture": capture.active(w)} for w, snap in c.snapshot().items()},
+        }
 
     @router.get("/capture")
     def get_capture() -> dict[str, Any]:
@@ -92,7 +116,7 @@ def admin_router(engine: Engine, capture: CapturePolicy, token: str | None) -> A
     @router.put("/capture")
     def set_capture(body: CaptureSetting) -> dict[str, Any]:
         try:
-            rule = CaptureRule(body.enabled, body.fraction)
+            rule = CaptureRule(body.enabled, body.fraction, body.auto)
             if body.workload == "*":
                 capture.fallback = rule
             else:

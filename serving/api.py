@@ -31,6 +31,7 @@ from tide.models.loader import Target, load_target
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.serving.admin import admin_router
 from tide.serving.capture import CapturePolicy, check_workload
+from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.engine import Engine, EngineConfig, Sequence
 from tide.serving.engine_loop import Delta, EngineLoop, QueueFull
@@ -65,13 +66,14 @@ def build_app(
     server: ServerConfig,
     kafka: PublisherConfig | None = None,
     registry: SyncConfig | None = None,
+    adaptive: bool = False,
 ) -> FastAPI:
     """The server as `tide serve` runs it; with `kafka`, tapped hidden states are published there;
     with `registry`, each workload's champion draft is followed."""
     target = load_target(model, dtype)
     draft_dir = Path(draft) if draft else default_draft_dir(target.fingerprint)
     head = None
-    if cfg.gamma > 0 and (draft or (draft_dir / "model.safetensors").exists()):
+    if (cfg.gamma > 0 or adaptive) and (draft or (draft_dir / "model.safetensors").exists()):
         head = Eagle3Draft.load(
             draft_dir, target.model.embed_tokens, target.config, target.fingerprint, dtype
         )
@@ -79,7 +81,12 @@ def build_app(
     else:
         log.warning("no draft: serving without speculation (train one with `tide draft ensure-default`)")
     publisher = RecordPublisher(kafka, target.fingerprint) if kafka is not None else None
-    engine = Engine(target, head, cfg, tap=publisher)
+    controller = None
+    if adaptive:  # step times measured here and now, at a few batch sizes (seconds)
+        controller = build_controller(
+            target.model, head, ControllerConfig(max_gamma=cfg.max_gamma), cfg.max_batch
+        )
+    engine = Engine(target, head, cfg, tap=publisher, controller=controller)
     sync = DraftSync(registry, engine) if registry is not None else None
     return make_app(target, engine, server, publisher, sync)
 
@@ -226,7 +233,15 @@ def make_app(
     sync: DraftSync | None = None,
 ) -> FastAPI:
     server = server or ServerConfig()
-    metrics = ServingMetrics(engine, publisher, sync)
+    metrics = ServingMetrics(engine, publisher, sync, server.capture)
+    controller = engine.controller
+    if controller is not None:  # `auto` capture rules: capture while the workload needs training
+
+        def needs_training(workload: str) -> bool:
+            done = sync is not None and workload in sync.saturated
+            return controller.shifted(workload) or (not controller.pays(workload) and not done)
+
+        server.capture.advisor = needs_training
     loop = EngineLoop(engine, metrics, server.max_queue)
     tok = target.tok
 
@@ -263,7 +278,8 @@ def make_app(
             "status": "ok",
             "draft": engine.draft_version,
             "drafts": engine.draft_versions(),
-            "gamma": engine.cfg.gamma,
+            "gamma": engine.gamma,
+            "adaptive": engine.adaptive,
             "running": len(engine.running),
             "waiting": len(engine.waiting),
         }

@@ -1,10 +1,16 @@
-"""Which requests have their hidden states captured: a rule per workload, changeable at run time."""
+"""Which requests have their hidden states captured: a rule per workload, changeable at run time.
+
+A rule is on, off, a sampled fraction, or `auto`: then the node's advisor decides, capturing
+only while the workload needs training (its acceptance shifted, or its draft does not pay and
+training still improves it; see `controller.py` and `draft_sync.py`).
+"""
 
 from __future__ import annotations
 
 import random
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 # workload names become Kafka topic suffixes and metric labels: keep them short and plain
@@ -24,6 +30,7 @@ def check_workload(name: str) -> str:
 class CaptureRule:
     enabled: bool = True
     fraction: float = 1.0  # share of the workload's requests captured
+    auto: bool = False  # the advisor decides (enabled and fraction apply while it says yes)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
@@ -31,21 +38,25 @@ class CaptureRule:
 
 
 def parse_rules(spec: str) -> dict[str, CaptureRule]:
-    """'code=on,chat_fr=0.25,*=off' -> rules; '*' is the rule for workloads without one."""
+    """'code=on,chat_fr=0.25,math=auto,*=off' -> rules; '*' is the rule for workloads without one."""
     rules: dict[str, CaptureRule] = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"capture rule {item!r}: expected WORKLOAD=on|off|FRACTION")
+            raise ValueError(f"capture rule {item!r}: expected WORKLOAD=on|off|auto|FRACTION")
         if name != "*":
             check_workload(name)
-        if value in ("on", "off"):
+        if value == "auto":
+            rules[name] = CaptureRule(auto=True)
+        elif value in ("on", "off"):
             rules[name] = CaptureRule(enabled=value == "on")
         else:
             try:
                 rules[name] = CaptureRule(enabled=True, fraction=float(value))
             except ValueError:
-                raise ValueError(f"capture rule {item!r}: expected on, off or a fraction in [0, 1]") from None
+                raise ValueError(
+                    f"capture rule {item!r}: expected on, off, auto or a fraction in [0, 1]"
+                ) from None
     return rules
 
 
@@ -56,6 +67,7 @@ class CapturePolicy:
         self.rules: dict[str, CaptureRule] = rules
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
+        self.advisor: Callable[[str], bool] | None = None  # decides `auto` rules (None: capture)
 
     def rule(self, workload: str) -> CaptureRule:
         return self.rules.get(workload, self.fallback)
@@ -69,8 +81,19 @@ class CapturePolicy:
         if opted_out:
             return False
         r = self.rule(workload)
+        if r.auto and self.advisor is not None and not self.advisor(workload):
+            return False
         with self._lock:
             return r.enabled and self._rng.random() < r.fraction
+
+    def active(self, workload: str) -> bool:
+        """Is the workload being captured now (ignoring per-request opt-outs and sampling)?"""
+        r = self.rule(workload)
+        return (
+            r.enabled
+            and r.fraction > 0
+            and not (r.auto and self.advisor is not None and not self.advisor(workload))
+        )
 
     def snapshot(self) -> dict[str, object]:
         return {"fallback": asdict(self.fallback), "workloads": {w: asdict(r) for w, r in self.rules.items()}}

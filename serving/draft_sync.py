@@ -56,6 +56,8 @@ class SyncConfig:
     rollback_tolerance: float = 0.25  # live tau may fall this fraction short of the gate's prediction
     rollback_min_steps: int = 200  # sequence-steps on a new draft before it is judged
     publish_profile: bool = True  # measure step times once and publish them for the gate
+    patience: int = 3  # candidates without held-out improvement before training counts as done
+    min_improvement: float = 0.01
 
 
 @dataclass
@@ -90,6 +92,7 @@ class DraftSync:
         self.stats = SyncStats()
         self.following: dict[str, Following] = {}
         self.refused: set[tuple[str, str]] = set()  # (model name, version) never to try again
+        self.saturated: set[str] = set()  # workloads whose trainer stopped improving held-out tau
         self._profile: str | None = None
         self._profiled: set[str] = set()  # models whose profile tag this node has set
         self._stop = threading.Event()
@@ -127,6 +130,7 @@ class DraftSync:
     def _follow(self, workload: str) -> None:
         name = model_name(self.fingerprint, workload)
         self._publish_profile(name)
+        self._check_saturation(workload, name)
         mv = alias_version(self.client, name, CHAMPION)
         if mv is None:
             return
@@ -158,6 +162,25 @@ class DraftSync:
             "refused %s version %s (%s): %s; the current draft stays", mv.name, mv.version, reason, message
         )
         return None
+
+    def _check_saturation(self, workload: str, name: str) -> None:
+        """Training is done for now when the last `patience` candidates did not beat the best
+        held-out tau before them by `min_improvement`."""
+        n = self.cfg.patience
+        try:
+            versions = self.client.search_model_versions(
+                f"name = '{name}'", max_results=4 * n, order_by=["version_number DESC"]
+            )
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return
+            raise
+        taus = [float(v.tags["held_out_tau"]) for v in versions if "held_out_tau" in (v.tags or {})]
+        done = len(taus) > n and max(taus[:n]) <= max(taus[n:]) * (1 + self.cfg.min_improvement)
+        if done:
+            self.saturated.add(workload)
+        else:
+            self.saturated.discard(workload)
 
     # -- after a swap: does the draft deliver what the gate predicted? ---------------------------
     def _watch(self) -> None:

@@ -27,6 +27,7 @@ from tide.models.eagle3 import DraftKV, Eagle3Draft
 from tide.models.llama import Batch
 from tide.models.loader import Target
 from tide.models.packing import pack_linears
+from tide.serving.controller import Controller
 from tide.serving.detokenizer import Detokenizer
 from tide.serving.sampling import BatchSampling, SamplingParams, Verdict, probs_from_logits, sample, verify
 
@@ -160,7 +161,12 @@ class StepTiming:
 
 class Engine:
     def __init__(
-        self, target: Target, draft: Eagle3Draft | None, cfg: EngineConfig, tap: TapCallback | None = None
+        self,
+        target: Target,
+        draft: Eagle3Draft | None,
+        cfg: EngineConfig,
+        tap: TapCallback | None = None,
+        controller: Controller | None = None,
     ):
         self.target = target
         self.model = target.model
@@ -189,6 +195,8 @@ class Engine:
         self.timing = StepTiming()  # measured while serving: what the cost model needs
         self.drafts: dict[str, DraftSlot] = {}  # by workload; "default" serves workloads without one
         self.workloads_seen: set[str] = set()  # the registry follower polls their drafts
+        self.controller = controller  # chooses gamma each step while `adaptive`
+        self.adaptive = controller is not None  # False: cfg.gamma, fixed
         if draft is not None:
             self.set_draft(draft)
             self.swap_pending_drafts()
@@ -282,10 +290,22 @@ class Engine:
         return "default" if "default" in self.drafts else None
 
     def set_gamma(self, gamma: int) -> None:
-        """Draft tokens per step from the next step on (0: no speculation)."""
+        """A fixed number of draft tokens per step from the next step on (0: no speculation)."""
         if not 0 <= gamma <= self.cfg.max_gamma:
             raise ValueError(f"gamma must be in [0, {self.cfg.max_gamma}], got {gamma}")
         self.cfg.gamma = gamma
+        self.adaptive = False
+
+    def set_adaptive(self) -> None:
+        """Let the controller choose gamma at every step again."""
+        if self.controller is None:
+            raise ValueError("this node has no controller: start it with --gamma auto")
+        self.adaptive = True
+
+    @property
+    def gamma(self) -> int:
+        """Draft tokens per step: the controller's last choice, or the fixed setting."""
+        return self.controller.last.gamma if self.adaptive and self.controller is not None else self.cfg.gamma
 
     @property
     def draft_version(self) -> str:
@@ -299,11 +319,16 @@ class Engine:
         if not pending:
             return
         before = {seq.request_id: self.draft_key(seq.workload) for seq in self.running}
+        tracked = list(self.controller.acceptance) if self.controller is not None else []
+        keys = {w: self.draft_key(w) for w in tracked}
         for workload, slot in pending.items():
             if slot is None:
                 self.drafts.pop(workload, None)
             else:
                 self.drafts[workload] = slot
+        if self.controller is not None:  # workloads on a new draft: their acceptance is unknown again
+            changed = [w for w in tracked if self.draft_key(w) in pending or self.draft_key(w) != keys[w]]
+            self.controller.draft_changed(changed)
         # a sequence whose draft changed starts an empty cache: rebuild it from its stored aux states
         for seq in self.running:
             key = self.draft_key(seq.workload)
@@ -460,8 +485,13 @@ class Engine:
         seqs = self.running
         bsz = len(seqs)
         rows = torch.arange(bsz)
-        groups = self._draft_groups(seqs) if self.cfg.gamma > 0 else None
-        gamma = self.cfg.gamma if groups else 0
+        adaptive = self.adaptive and self.controller is not None
+        groups = self._draft_groups(seqs) if (self.cfg.gamma > 0 or adaptive) else None
+        workloads = [q.workload for q in seqs]
+        if groups and adaptive and self.controller is not None:
+            gamma = self.controller.choose(workloads).gamma
+        else:
+            gamma = self.cfg.gamma if groups else 0
         params = [q.params for q in seqs]
         s = BatchSampling.of(params)
         u = None if s.all_greedy else self._uniforms(seqs, 2 * gamma + 1)
@@ -487,8 +517,11 @@ class Engine:
             for key, idx in groups.items():
                 self.drafts[key].stats.add(acc if len(groups) == 1 else acc[torch.tensor(idx)], gamma)
         new_tokens = verdict.tokens.tolist()
+        seconds = time.perf_counter() - start
         self.timing.decode_steps += 1
-        self.timing.decode_seconds += time.perf_counter() - start
+        self.timing.decode_seconds += seconds
+        if self.controller is not None:
+            self.controller.observe(workloads, acc, gamma, seconds)
         results = []
         starts = lengths.tolist()
         for i, (seq, n) in enumerate(zip(seqs, acc.tolist(), strict=True)):

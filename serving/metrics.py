@@ -13,6 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tide.producers.publisher import RecordPublisher
+from tide.serving.capture import CapturePolicy
+from tide.serving.controller import Controller
 from tide.serving.draft_sync import DraftSync
 from tide.serving.engine import Engine, StepOutput
 
@@ -20,14 +22,15 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, capture: CapturePolicy | None):
         self.engine = engine
+        self.capture = capture
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         e = self.engine
         yield GaugeMetricFamily("tide_queue_depth", "Requests waiting for a slot", value=len(e.waiting))
         yield GaugeMetricFamily("tide_running_requests", "Requests holding a slot", value=len(e.running))
-        yield GaugeMetricFamily("tide_gamma", "Draft tokens proposed per step (0: off)", value=e.cfg.gamma)
+        yield GaugeMetricFamily("tide_gamma", "Draft tokens proposed per step (0: off)", value=e.gamma)
         draft = GaugeMetricFamily(
             "tide_draft_info", "The drafts in use, by workload (value 1)", labels=["workload", "version"]
         )
@@ -54,6 +57,48 @@ class _EngineCollector(Collector):
         for depth, r in enumerate(e.stats.rates(), start=1):
             rate.add_metric([str(depth)], r)
         yield rate
+        if e.controller is not None:
+            yield from _controller_metrics(e.controller, self.capture)
+
+
+def _controller_metrics(c: Controller, capture: CapturePolicy | None) -> Iterator[GaugeMetricFamily]:
+    speedup = GaugeMetricFamily(
+        "tide_speedup", "Speedup over no speculation: the last step's prediction, the measured average",
+        labels=["kind"],
+    )  # fmt: skip
+    speedup.add_metric(["predicted"], c.last.predicted_speedup)
+    speedup.add_metric(["measured"], c.measured_speedup)
+    yield speedup
+    rate = GaugeMetricFamily(
+        "tide_workload_accept_rate", "Acceptance by draft depth, short and long moving averages",
+        labels=["workload", "depth", "average"],
+    )  # fmt: skip
+    gamma = GaugeMetricFamily(
+        "tide_workload_gamma", "The gamma that pays best for the workload alone", labels=["workload"]
+    )
+    on = GaugeMetricFamily(
+        "tide_workload_speculation", "1 where speculation pays for the workload", labels=["workload"]
+    )
+    captured = GaugeMetricFamily(
+        "tide_workload_capture", "1 where the workload is being captured", labels=["workload"]
+    )
+    shifted = GaugeMetricFamily(
+        "tide_workload_shifted", "1 where short-term acceptance fell below long-term", labels=["workload"]
+    )
+    for w, snap in c.snapshot().items():
+        for which in ("short", "long"):
+            for depth, a in enumerate(snap[f"alpha_{which}"], start=1):
+                rate.add_metric([w, str(depth), which], a)
+        gamma.add_metric([w], float(snap["gamma"]))
+        on.add_metric([w], float(bool(snap["speculation"])))
+        shifted.add_metric([w], float(bool(snap["shifted"])))
+        if capture is not None:
+            captured.add_metric([w], float(capture.active(w)))
+    yield rate
+    yield gamma
+    yield on
+    yield shifted
+    yield captured
 
 
 class _PublisherCollector(Collector):
@@ -105,7 +150,11 @@ class _SyncCollector(Collector):
 
 class ServingMetrics:
     def __init__(
-        self, engine: Engine, publisher: RecordPublisher | None = None, sync: DraftSync | None = None
+        self,
+        engine: Engine,
+        publisher: RecordPublisher | None = None,
+        sync: DraftSync | None = None,
+        capture: CapturePolicy | None = None,
     ):
         self.registry = CollectorRegistry()
         r = self.registry
@@ -136,7 +185,7 @@ class ServingMetrics:
         )
         self.aborted = Counter("tide_client_disconnects", "Requests whose client went away", registry=r)
         self.rejected = Counter("tide_rejected_requests", "Requests refused", ["reason"], registry=r)
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(engine, capture))
         if publisher is not None:
             r.register(_PublisherCollector(publisher))
         if sync is not None:

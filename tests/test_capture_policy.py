@@ -23,3 +23,16 @@ def test_rules_from_the_command_line() -> None:
 def test_bad_rules_say_why(spec: str) -> None:
     with pytest.raises(ValueError, match=r"capture rule|fraction|workload name"):
         parse_rules(spec)
+
+
+def test_auto_rules_follow_the_advisor() -> None:
+    policy = CapturePolicy(parse_rules("code=auto,*=off"))
+    assert policy.rule("code").auto
+    assert policy.decide("code", False)  # no advisor yet: capture
+    needs = {"code": False}
+    policy.advisor = lambda w: needs[w]
+    assert not policy.decide("code", False) and not policy.active("code")
+    needs["code"] = True
+    assert policy.decide("code", False) and policy.active("code")
+    assert not policy.decide("code", True)  # the client's opt-out still wins
+    assert not policy.active("other")

@@ -239,7 +239,8 @@ def test_admin_endpoints_need_the_token(server: Server, tmp_path: Path) -> None:
     state = admin.get("/admin/state").json()
     assert state["speculation"]["gamma"] == 3 and state["drafts"]["default"]["version"] != "none"
 
-    assert admin.put("/admin/speculation", json={"gamma": 0}).json() == {"gamma": 0}
+    assert admin.put("/admin/speculation", json={"gamma": 0}).json() == {"gamma": 0, "adaptive": False}
+    assert admin.put("/admin/speculation", json={"adaptive": True}).status_code == 400  # no controller here
     assert httpx.get(f"{server.url}/health").json()["gamma"] == 0
     assert admin.put("/admin/speculation", json={"gamma": 99}).status_code == 400
     assert admin.put("/admin/speculation", json={"gamma": 3}).status_code == 200

@@ -46,17 +46,18 @@ def test_mlflow_artifacts_in_s3(s3: S3Server, tmp_path: Path, monkeypatch: pytes
     (src / "sub").mkdir(parents=True)
     (src / "config.json").write_text('{"layers": 1}')
     (src / "sub" / "weights.bin").write_bytes(b"\x00\x01" * 5000)
-    with MlflowServer(tmp_path / "mlflow", s3=s3, bucket="tide-drafts") as server:
+    bucket = "tide-s3-test"  # its own bucket: the session's S3 server holds other tests' artifacts
+    with MlflowServer(tmp_path / "mlflow", s3=s3, bucket=bucket) as server:
         client = MlflowClient(server.url)
         exp = client.create_experiment("s3-artifacts")
         run = client.create_run(exp)
-        assert run.info.artifact_uri.startswith("s3://tide-drafts/mlflow/")
+        assert run.info.artifact_uri.startswith(f"s3://{bucket}/mlflow/")
         client.log_artifacts(run.info.run_id, str(src), "draft")
         client.set_terminated(run.info.run_id)
 
-        listed = s3.client().list_objects_v2(Bucket="tide-drafts", Prefix="mlflow/")
+        listed = s3.client().list_objects_v2(Bucket=bucket, Prefix="mlflow/")
         keys = sorted(o["Key"] for o in listed["Contents"])
-        prefix = run.info.artifact_uri.removeprefix("s3://tide-drafts/")
+        prefix = run.info.artifact_uri.removeprefix(f"s3://{bucket}/")
         assert keys == [f"{prefix}/draft/config.json", f"{prefix}/draft/sub/weights.bin"]
 
         # the registry goes away and comes back where clients expect it

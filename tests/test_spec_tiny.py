@@ -169,6 +169,14 @@ def test_workload_drafts_in_one_batch_leave_outputs_unchanged() -> None:
     assert engine.drafts["b"].stats.steps > 0 and engine.drafts["default"].stats.steps > 0
     total = sum(slot.stats.steps for slot in engine.drafts.values())
     assert total < engine.stats.steps  # "a"'s steps on its own draft left with it
+    # sampling with two drafts in one batch: each row's q comes from its own draft
+    engine.set_draft(good, "a")
+    sampled = SamplingParams(temperature=0.9, top_k=20, max_tokens=16, ignore_eos=True)
+    seqs = [engine.add(p, sampled, workload=workloads[i % 2]) for i, p in enumerate(prompts[:6])]
+    while engine.has_work:
+        engine.step()
+    assert all(len(s.output) == 16 for s in seqs)
+    assert engine.drafts["a"].stats.steps > 0
 
 
 def test_seeded_sampling_is_reproducible() -> None:

@@ -234,7 +234,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     dtype: str = typer.Option("bfloat16", "--dtype"),
-    gamma: int = typer.Option(4, "--gamma", help="draft tokens per step (0: no speculation)"),
+    gamma: str = typer.Option(
+        "4", "--gamma", help="draft tokens per step (0: no speculation), or 'auto': the controller chooses"
+    ),
     max_batch: int = typer.Option(16, "--max-batch"),
     max_model_len: int = typer.Option(2048, "--max-model-len"),
     max_queue: int = typer.Option(64, "--max-queue", help="requests waiting for a slot; more get 429"),
@@ -284,6 +286,12 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="--capture") from None
     from tide.serving.engine import EngineConfig
 
+    adaptive = gamma == "auto"
+    try:
+        fixed_gamma = 0 if adaptive else int(gamma)
+    except ValueError:
+        raise typer.BadParameter("a number of draft tokens, or 'auto'", param_hint="--gamma") from None
+    max_gamma = 6 if adaptive else max(8, fixed_gamma)
     sync = None
     if registry:
         import socket
@@ -306,12 +314,15 @@ def serve(
             model,
             draft,
             _dtype(dtype),
-            EngineConfig(max_batch=max_batch, max_model_len=max_model_len, gamma=gamma),
+            EngineConfig(
+                max_batch=max_batch, max_model_len=max_model_len, gamma=fixed_gamma, max_gamma=max_gamma
+            ),
             ServerConfig(
                 admin_token=admin_token, max_queue=max_queue, max_body_bytes=max_body_bytes, capture=policy
             ),
             PublisherConfig(kafka, codec, chunk_positions) if kafka else None,
             sync,
+            adaptive,
         )
     uvicorn.run(api, host=host, port=port, log_level="info")
 

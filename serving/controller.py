@@ -1,0 +1,239 @@
+"""The runtime controller: speculate only where it pays, and choose gamma at every step.
+
+Per workload it tracks the acceptance rate at each draft depth with a short and a long moving
+average (expected tokens per step = 1 + sum_k prod_{i<=k} alpha_i). Step times come from
+profiles measured at start-up at a few batch sizes (the target's forward for 1..max_gamma+1
+tokens per sequence, one draft step), corrected while serving by the engine's measured step
+times. Each step it picks the gamma that maximises the running batch's predicted speedup, and 0
+when none beats plain decoding. While speculation is off, one step in `explore_every` still drafts
+one token, so the estimate stays current and speculation comes back as soon as a draft pays.
+
+The short average falling below the long one is the paper's shift detector: the workload's
+traffic changed under its draft. `wants_capture` turns capture (and so training) on then, or
+when the workload's draft does not pay.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.llama import LlamaModel
+from tide.serving.cost_model import StepProfile, measure_profile
+
+PRIOR_ALPHA = 0.5  # before any observation: optimistic enough that a new draft gets tried
+
+
+@dataclass
+class ControllerConfig:
+    max_gamma: int = 6
+    short_steps: float = 64.0  # horizon of the short average, in drafted sequence-steps
+    long_steps: float = 1024.0
+    explore_every: int = 16  # while off: draft one token in this many steps
+    min_gain: float = 1.02  # speculate only above this predicted speedup
+    shift_drop: float = 0.15  # short tau this far below long tau: the workload shifted
+    cost_horizon: float = 32.0  # steps averaged into the measured/predicted step-time ratio
+
+
+def _ema_weight(horizon: float, n: int) -> float:
+    """Weight of n new observations in an average over about `horizon` observations."""
+    return 1.0 - (1.0 - 1.0 / horizon) ** n
+
+
+@dataclass
+class Acceptance:
+    """A workload's acceptance rate by draft depth, short and long averages."""
+
+    max_gamma: int
+    short: torch.Tensor = field(init=False)
+    long: torch.Tensor = field(init=False)
+    seen: torch.Tensor = field(init=False)  # attempts observed at each depth
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.short = torch.full((self.max_gamma,), PRIOR_ALPHA, dtype=torch.float64)
+        self.long = self.short.clone()
+        self.seen = torch.zeros(self.max_gamma, dtype=torch.long)
+
+    def update(self, accepted: torch.Tensor, gamma: int, short_h: float, long_h: float) -> None:
+        depth = torch.arange(gamma)
+        attempted = (accepted.unsqueeze(1) >= depth).sum(0)
+        kept = (accepted.unsqueeze(1) > depth).sum(0)
+        for d, (n, k) in enumerate(zip(attempted.tolist(), kept.tolist(), strict=True)):
+            if n == 0:
+                continue
+            rate = k / n
+            self.short[d] += _ema_weight(short_h, n) * (rate - self.short[d])
+            self.long[d] += _ema_weight(long_h, n) * (rate - self.long[d])
+            self.seen[d] += n
+
+    def alphas(self, which: str = "short") -> list[float]:
+        """Per-depth rates; a depth never observed takes the last observed one's (rates decay with depth)."""
+        src = self.short if which == "short" else self.long
+        out: list[float] = []
+        for d in range(self.max_gamma):
+            out.append(float(src[d]) if self.seen[d] > 0 or d == 0 else out[-1])
+        return out
+
+    def tau(self, gamma: int, which: str = "short") -> float:
+        tau, alive = 1.0, 1.0
+        for a in self.alphas(which)[:gamma]:
+            alive *= a
+            tau += alive
+        return tau
+
+
+class StepCosts:
+    """Step times by batch size: measured profiles, interpolated, corrected by what serving measures."""
+
+    def __init__(self, profiles: list[StepProfile], horizon: float):
+        self.profiles = sorted(profiles, key=lambda p: p.batch_size)
+        self.horizon = horizon
+        self.ratio: dict[tuple[int, int], float] = {}  # (profile index, gamma) -> measured / predicted
+
+    def _index(self, b: int) -> int:
+        """The profile measured at the smallest batch size >= b (the largest if none)."""
+        for i, p in enumerate(self.profiles):
+            if p.batch_size >= b:
+                return i
+        return len(self.profiles) - 1
+
+    def _scale(self, p: StepProfile, b: int) -> float:
+        # step time grows with the batch: scale linearly between measured sizes, never below 1
+        return max(1.0, b / p.batch_size) if b > p.batch_size else 1.0
+
+    def step_time(self, b: int, gamma: int) -> float:
+        """Predicted seconds of one engine step for b sequences drafting gamma tokens."""
+        i = self._index(b)
+        p = self.profiles[i]
+        t = p.target[gamma + 1] + gamma * p.draft_step
+        return t * self._scale(p, b) * self.ratio.get((i, gamma), 1.0)
+
+    def observe(self, b: int, gamma: int, seconds: float) -> None:
+        i = self._index(b)
+        p = self.profiles[i]
+        predicted = (p.target[gamma + 1] + gamma * p.draft_step) * self._scale(p, b)
+        r = self.ratio.get((i, gamma), 1.0)
+        self.ratio[(i, gamma)] = r + _ema_weight(self.horizon, 1) * (seconds / predicted - r)
+
+
+@dataclass
+class Decision:
+    gamma: int
+    predicted_speedup: float
+    explore: bool = False
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig, profiles: list[StepProfile]):
+        self.cfg = cfg
+        self.costs = StepCosts(profiles, cfg.cost_horizon)
+        self.acceptance: dict[str, Acceptance] = {}
+        self.steps_off = 0
+        self.last = Decision(0, 1.0)
+        self.measured_speedup = 1.0  # moving average of measured tokens/s over plain decoding's
+        self._lock = threading.Lock()  # readers (metrics, admin) take snapshots
+
+    def tracker(self, workload: str) -> Acceptance:
+        acc = self.acceptance.get(workload)
+        if acc is None:
+            acc = self.acceptance[workload] = Acceptance(self.cfg.max_gamma)
+        return acc
+
+    def speedup(self, workloads: list[str], gamma: int) -> float:
+        """Predicted tokens/s of a batch of these workloads at gamma, over plain decoding's."""
+        b = len(workloads)
+        if gamma == 0 or b == 0:
+            return 1.0
+        taus = sum(self.tracker(w).tau(gamma) for w in workloads) / b
+        return taus * self.costs.step_time(b, 0) / self.costs.step_time(b, gamma)
+
+    def best(self, workloads: list[str]) -> Decision:
+        top = max(range(self.cfg.max_gamma + 1), key=lambda g: self.speedup(workloads, g))
+        s = self.speedup(workloads, top)
+        return Decision(top, s) if s >= self.cfg.min_gain else Decision(0, 1.0)
+
+    def choose(self, workloads: list[str]) -> Decision:
+        """The gamma of the next step for a batch of these workloads (one entry per sequence)."""
+        d = self.best(workloads)
+        if d.gamma == 0:
+            self.steps_off += 1
+            if self.steps_off % self.cfg.explore_every == 0:
+                d = Decision(1, self.speedup(workloads, 1), explore=True)
+        else:
+            self.steps_off = 0
+        self.last = d
+        return d
+
+    def observe(self, workloads: list[str], accepted: torch.Tensor, gamma: int, seconds: float) -> None:
+        """After a step: acceptance of each workload's rows, and the step's measured time."""
+        b = len(workloads)
+        self.costs.observe(b, gamma, seconds)
+        plain = self.costs.step_time(b, 0) / b  # seconds per token without speculation
+        tokens = float(accepted.sum()) + b if gamma > 0 else float(b)
+        measured = tokens * plain / seconds
+        self.measured_speedup += _ema_weight(self.cfg.cost_horizon, 1) * (measured - self.measured_speedup)
+        if gamma == 0:
+            return
+        rows: dict[str, list[int]] = {}
+        for i, w in enumerate(workloads):
+            rows.setdefault(w, []).append(i)
+        with self._lock:
+            for w, idx in rows.items():
+                sub = accepted if len(rows) == 1 else accepted[torch.tensor(idx)]
+                self.tracker(w).update(sub, gamma, self.cfg.short_steps, self.cfg.long_steps)
+
+    def draft_changed(self, workloads: list[str]) -> None:
+        """A new draft serves these workloads: what was learnt about the old one no longer holds."""
+        with self._lock:
+            for w in workloads:
+                self.tracker(w).reset()
+
+    # -- what the rest of the node reads ------------------------------------------------------
+    def pays(self, workload: str, batch_size: int = 1) -> bool:
+        """Does this workload's draft pay on its own at this batch size?"""
+        return self.best([workload] * batch_size).gamma > 0
+
+    def shifted(self, workload: str) -> bool:
+        """The paper's shift detector: short-term tau well below the long-term one."""
+        acc = self.tracker(workload)
+        if int(acc.seen[0]) < self.cfg.short_steps:
+            return False
+        g = self.cfg.max_gamma
+        return acc.tau(g, "short") - 1 < (acc.tau(g, "long") - 1) * (1 - self.cfg.shift_drop)
+
+    def wants_capture(self, workload: str) -> bool:
+        return self.shifted(workload) or not self.pays(workload)
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        with self._lock:
+            return {
+                w: {
+                    "alpha_short": [round(a, 4) for a in acc.alphas("short")],
+                    "alpha_long": [round(a, 4) for a in acc.alphas("long")],
+                    "tau_short": round(acc.tau(self.best([w]).gamma or 1, "short"), 4),
+                    "gamma": self.best([w]).gamma,
+                    "speculation": self.pays(w),
+                    "shifted": self.shifted(w),
+                }
+                for w, acc in list(self.acceptance.items())
+            }
+
+
+def build_controller(
+    model: LlamaModel,
+    draft: Eagle3Draft | None,
+    cfg: ControllerConfig,
+    max_batch: int,
+    batch_sizes: tuple[int, ...] = (1, 4, 16),
+    context: int = 256,
+) -> Controller:
+    """Measure step times at a few batch sizes on this machine, now, and start a controller on them."""
+    sizes = sorted({min(b, max_batch) for b in batch_sizes})
+    profiles = [measure_profile(model, draft, b, context, cfg.max_gamma + 1, repeats=3) for b in sizes]
+    return Controller(cfg, profiles)

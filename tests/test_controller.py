@@ -1,0 +1,163 @@
+"""The runtime controller: gamma from the cost model and per-depth acceptance, off where it does not
+pay (with exploration), the shift detector, and step times corrected by what serving measures."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tests.conftest import tiny_draft, tiny_target, trained_tiny_draft
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.loader import Target
+from tide.serving.controller import Controller, ControllerConfig, build_controller
+from tide.serving.cost_model import StepProfile
+from tide.serving.engine import Engine, EngineConfig
+from tide.serving.sampling import SamplingParams
+
+# CPU-like: verifying more tokens costs little more than decoding one, drafting is cheap
+FLAT = StepProfile(1, {n: 0.020 + 0.0005 * (n - 1) for n in range(1, 10)}, 0.001)
+# GPU-at-large-batch-like: every extra token per sequence costs almost a whole step
+STEEP = StepProfile(16, {n: 0.020 * n for n in range(1, 10)}, 0.004)
+
+
+def feed(
+    c: Controller, workload: str, accepted_per_step: int, gamma: int, steps: int, batch: int = 1
+) -> None:
+    """Steps taking exactly their profiled time, so only acceptance changes."""
+    for _ in range(steps):
+        seconds = c.costs.step_time(batch, gamma)
+        c.observe([workload] * batch, torch.full((batch,), accepted_per_step), gamma, seconds)
+
+
+def test_gamma_follows_acceptance_and_cost() -> None:
+    c = Controller(ControllerConfig(max_gamma=6), [FLAT])
+    feed(c, "code", 6, 6, 200)  # every draft accepted
+    assert c.choose(["code"]).gamma == 6
+    feed(c, "chat", 1, 6, 200)  # only the first draft token accepted: deeper drafting wastes time
+    d = c.choose(["chat"])
+    assert 1 <= d.gamma <= 2 and d.predicted_speedup > 1.0
+    steep = Controller(ControllerConfig(max_gamma=6), [STEEP])
+    feed(steep, "chat", 1, 6, 200, batch=16)
+    assert steep.choose(["chat"] * 16).gamma == 0  # at a steep cost curve the same acceptance does not pay
+
+
+def test_off_where_it_does_not_pay_but_keeps_exploring() -> None:
+    cfg = ControllerConfig(max_gamma=4, explore_every=8)
+    c = Controller(cfg, [FLAT])
+    feed(c, "fr", 0, 4, 300)  # nothing accepted
+    picks = [c.choose(["fr"]) for _ in range(64)]
+    assert sum(d.gamma for d in picks) == 8 and all(d.gamma in (0, 1) for d in picks)
+    assert all(d.explore for d in picks if d.gamma)
+    assert not c.pays("fr") and c.wants_capture("fr")
+    # a new draft arrives and explored steps find it good: speculation comes back by itself
+    c.draft_changed(["fr"])
+    for d in (c.choose(["fr"]) for _ in range(200)):
+        c.observe(["fr"], torch.tensor([d.gamma]), d.gamma, c.costs.step_time(1, d.gamma))
+    assert c.choose(["fr"]).gamma >= 3 and c.pays("fr")
+
+
+def test_shift_detector() -> None:
+    c = Controller(ControllerConfig(max_gamma=4, short_steps=32, long_steps=1024), [FLAT])
+    feed(c, "w", 3, 4, 2000)
+    assert not c.shifted("w") and not c.wants_capture("w")
+    feed(c, "w", 0, 4, 100)  # the traffic changed: the draft suddenly misses
+    assert c.shifted("w") and c.wants_capture("w")
+
+
+def test_step_times_are_corrected_by_measurements() -> None:
+    c = Controller(ControllerConfig(max_gamma=4, cost_horizon=8), [FLAT])
+    before = c.costs.step_time(1, 4)
+    for _ in range(100):
+        c.observe(["w"], torch.tensor([0]), 4, 2 * before)  # the machine is twice as slow as profiled
+    assert abs(c.costs.step_time(1, 4) / before - 2) < 0.05
+    assert c.measured_speedup < 0.6  # nothing accepted at twice the cost
+
+
+def test_adaptive_engine_is_lossless_and_turns_a_bad_draft_off() -> None:
+    target = tiny_target(seed=5, scale=2.0)
+    bad = tiny_draft(target, seed=7)
+    with torch.no_grad():
+        bad.lm_head.weight.normal_(0, 1.0)  # predicts noise
+    prompts = [[i, i + 3, i + 5] for i in range(8)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = Engine(target, None, EngineConfig(max_batch=4, max_model_len=64, gamma=0)).generate(prompts, params)
+    profile = StepProfile(4, {n: 0.010 + 0.0002 * n for n in range(1, 8)}, 0.0005)
+    for draft in (trained_tiny_draft(target, seed=6, vocab=128), bad):
+        controller = Controller(ControllerConfig(max_gamma=6, explore_every=4), [profile])
+        engine = Engine(target, draft, EngineConfig(max_batch=4, max_model_len=64, gamma=4, max_gamma=6),
+                        controller=controller)  # fmt: skip
+        for _ in range(3):  # whatever gamma each step gets, greedy output is the plain decode's
+            seqs = engine.generate(prompts, params)
+            assert [s.output for s in seqs] == [r.output for r in ref]
+    assert not controller.pays("default"), controller.snapshot()
+    assert engine.stats.steps > 0  # explored while off
+
+
+def test_adaptive_on_the_default_model(target_bf16: Target, trained_draft_dir: Path) -> None:
+    """SmolLM2 with its code draft: on for code at a gamma above 1; a draft of noise is turned off."""
+    from tide.prompts import load_prompts, split
+
+    from .conftest import WORKLOADS
+    from .drafts import noisy_draft
+
+    prompts = [
+        p.token_ids(target_bf16.tok)[-200:] for p in split(load_prompts(WORKLOADS / "code.jsonl"), "test")[:8]
+    ]
+    params = SamplingParams(max_tokens=48)
+    cfg = ControllerConfig(max_gamma=6)
+    model = target_bf16.model
+    for folder, on in (
+        (trained_draft_dir, True),
+        (noisy_draft(trained_draft_dir, Path(tempfile.mkdtemp()) / "n", 3.0), False),
+    ):
+        draft = Eagle3Draft.load(
+            folder, model.embed_tokens, target_bf16.config, target_bf16.fingerprint, torch.bfloat16
+        )
+        controller = build_controller(model, draft, cfg, max_batch=4, batch_sizes=(1, 4))
+        engine = Engine(target_bf16, draft, EngineConfig(max_batch=4, max_model_len=512, gamma=4, max_gamma=6),
+                        controller=controller)  # fmt: skip
+        engine.generate(prompts, params)
+        snap = controller.snapshot()["default"]
+        assert controller.pays("default") == on, snap
+        if on:
+            assert controller.best(["default"]).gamma >= 2 and controller.measured_speedup > 1.0, snap
+
+
+def test_served_decisions_per_workload(trained_draft_dir: Path, tmp_path: Path) -> None:
+    """`tide serve --gamma auto`: per workload, speculation on where the draft pays (code) and off
+    where it does not (French), capture (`auto`) the other way round; on /metrics and /admin."""
+    import httpx
+
+    from tide.prompts import load_prompts, split
+
+    from .conftest import WORKLOADS, serve_process
+    from .test_registry_serving import metric
+
+    args = ["--draft", str(trained_draft_dir), "--gamma", "auto", "--max-batch", "2", "--max-model-len", "512",
+            "--admin-token", "t", "--capture", "*=auto"]  # fmt: skip
+    with serve_process(args, tmp_path / "serve.log") as url:
+        for name, workload in (("code.jsonl", "code"), ("chat_fr.jsonl", "fr")):
+            for p in split(load_prompts(WORKLOADS / name), "test")[:4]:
+                body = {"model": "tide", "messages": p.messages, "max_tokens": 48, "temperature": 0}
+                r = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json=body,
+                    headers={"X-Tide-Workload": workload},
+                    timeout=120,
+                )
+                assert r.status_code == 200, r.text
+        state = httpx.get(f"{url}/admin/controller", headers={"Authorization": "Bearer t"}).json()
+        code, fr = state["workloads"]["code"], state["workloads"]["fr"]
+        assert state["adaptive"] and code["speculation"] and code["gamma"] >= 1 and not code["capture"], state
+        assert not fr["speculation"] and fr["capture"], state
+        assert metric(url, "tide_workload_speculation", workload="code") == 1
+        assert metric(url, "tide_workload_speculation", workload="fr") == 0
+        assert metric(url, "tide_workload_capture", workload="fr") == 1
+        assert metric(url, "tide_speedup", kind="measured") > 0
+        admin = {"Authorization": "Bearer t"}
+        fixed = httpx.put(f"{url}/admin/speculation", json={"gamma": 2}, headers=admin).json()
+        assert fixed == {"gamma": 2, "adaptive": False}
+        back = httpx.put(f"{url}/admin/speculation", json={"adaptive": True}, headers=admin).json()
+        assert back["adaptive"] is True
