@@ -127,6 +127,22 @@ def register_version(
     )
 
 
+def register_folder(
+    client: MlflowClient, fingerprint: str, workload: str, folder: Path, tags: dict[str, str] | None = None
+) -> ModelVersion:
+    """Register a draft folder by hand (an operator's bootstrap draft, a benchmark's starting point):
+    its own run in experiment `tide-drafts`, the registered model created if missing."""
+    name = model_name(fingerprint, workload)
+    exp = client.get_experiment_by_name("tide-drafts")
+    exp_id = exp.experiment_id if exp else client.create_experiment("tide-drafts")
+    run = client.create_run(exp_id, run_name=f"registered-{workload}", tags={"workload": workload})
+    if not client.search_registered_models(f"name = '{name}'"):
+        client.create_registered_model(name, tags={"workload": workload, "target_fingerprint": fingerprint})
+    mv = register_version(client, name, run.info.run_id, folder, "draft", tags or {})
+    client.set_terminated(run.info.run_id)
+    return mv
+
+
 def set_tags(client: MlflowClient, mv: ModelVersion, tags: dict[str, object]) -> None:
     for k, v in tags.items():
         client.set_model_version_tag(mv.name, mv.version, k, v if isinstance(v, str) else json.dumps(v))

@@ -68,8 +68,10 @@ class Acceptance:
             if n == 0:
                 continue
             rate = k / n
-            self.short[d] += _ema_weight(short_h, n) * (rate - self.short[d])
-            self.long[d] += _ema_weight(long_h, n) * (rate - self.long[d])
+            # a plain mean until the horizon is reached: the prior must not linger in the long average
+            first = n / (int(self.seen[d]) + n)
+            self.short[d] += max(first, _ema_weight(short_h, n)) * (rate - self.short[d])
+            self.long[d] += max(first, _ema_weight(long_h, n)) * (rate - self.long[d])
             self.seen[d] += n
 
     def alphas(self, which: str = "short") -> list[float]:
@@ -89,12 +91,13 @@ class Acceptance:
 
 
 class StepCosts:
-    """Step times by batch size: measured profiles, interpolated, corrected by what serving measures."""
+    """Step times by batch size: measured profiles (the shape: how cost grows with gamma), scaled by
+    one factor per profile that follows the engine's measured step times (the machine got busier)."""
 
     def __init__(self, profiles: list[StepProfile], horizon: float):
         self.profiles = sorted(profiles, key=lambda p: p.batch_size)
         self.horizon = horizon
-        self.ratio: dict[tuple[int, int], float] = {}  # (profile index, gamma) -> measured / predicted
+        self.ratio = [1.0] * len(self.profiles)  # measured / profiled, per profile
 
     def _index(self, b: int) -> int:
         """The profile measured at the smallest batch size >= b (the largest if none)."""
@@ -103,23 +106,19 @@ class StepCosts:
                 return i
         return len(self.profiles) - 1
 
-    def _scale(self, p: StepProfile, b: int) -> float:
-        # step time grows with the batch: scale linearly between measured sizes, never below 1
-        return max(1.0, b / p.batch_size) if b > p.batch_size else 1.0
+    def _profiled(self, b: int, gamma: int) -> float:
+        p = self.profiles[self._index(b)]
+        t = p.target[gamma + 1] + gamma * p.draft_step
+        # past the largest measured batch, time grows in proportion to the batch
+        return t * max(1.0, b / p.batch_size)
 
     def step_time(self, b: int, gamma: int) -> float:
         """Predicted seconds of one engine step for b sequences drafting gamma tokens."""
-        i = self._index(b)
-        p = self.profiles[i]
-        t = p.target[gamma + 1] + gamma * p.draft_step
-        return t * self._scale(p, b) * self.ratio.get((i, gamma), 1.0)
+        return self._profiled(b, gamma) * self.ratio[self._index(b)]
 
     def observe(self, b: int, gamma: int, seconds: float) -> None:
         i = self._index(b)
-        p = self.profiles[i]
-        predicted = (p.target[gamma + 1] + gamma * p.draft_step) * self._scale(p, b)
-        r = self.ratio.get((i, gamma), 1.0)
-        self.ratio[(i, gamma)] = r + _ema_weight(self.horizon, 1) * (seconds / predicted - r)
+        self.ratio[i] += _ema_weight(self.horizon, 1) * (seconds / self._profiled(b, gamma) - self.ratio[i])
 
 
 @dataclass
@@ -137,6 +136,7 @@ class Controller:
         self.steps_off = 0
         self.last = Decision(0, 1.0)
         self.measured_speedup = 1.0  # moving average of measured tokens/s over plain decoding's
+        self.batch_size = 1  # of the last decode step: per-workload decisions are judged at it
         self._lock = threading.Lock()  # readers (metrics, admin) take snapshots
 
     def tracker(self, workload: str) -> Acceptance:
@@ -173,6 +173,7 @@ class Controller:
     def observe(self, workloads: list[str], accepted: torch.Tensor, gamma: int, seconds: float) -> None:
         """After a step: acceptance of each workload's rows, and the step's measured time."""
         b = len(workloads)
+        self.batch_size = b
         self.costs.observe(b, gamma, seconds)
         plain = self.costs.step_time(b, 0) / b  # seconds per token without speculation
         tokens = float(accepted.sum()) + b if gamma > 0 else float(b)
@@ -195,9 +196,9 @@ class Controller:
                 self.tracker(w).reset()
 
     # -- what the rest of the node reads ------------------------------------------------------
-    def pays(self, workload: str, batch_size: int = 1) -> bool:
-        """Does this workload's draft pay on its own at this batch size?"""
-        return self.best([workload] * batch_size).gamma > 0
+    def pays(self, workload: str, batch_size: int | None = None) -> bool:
+        """Does this workload's draft pay on its own at this batch size (default: the current one)?"""
+        return self.best([workload] * (batch_size or self.batch_size)).gamma > 0
 
     def shifted(self, workload: str) -> bool:
         """The paper's shift detector: short-term tau well below the long-term one."""
@@ -216,8 +217,8 @@ class Controller:
                 w: {
                     "alpha_short": [round(a, 4) for a in acc.alphas("short")],
                     "alpha_long": [round(a, 4) for a in acc.alphas("long")],
-                    "tau_short": round(acc.tau(self.best([w]).gamma or 1, "short"), 4),
-                    "gamma": self.best([w]).gamma,
+                    "tau_short": round(acc.tau(self.best([w] * self.batch_size).gamma or 1, "short"), 4),
+                    "gamma": self.best([w] * self.batch_size).gamma,
                     "speculation": self.pays(w),
                     "shifted": self.shifted(w),
                 }

@@ -410,6 +410,46 @@ def bench_spec(
     typer.echo(f"report: {out}")
 
 
+@bench_app.command("shift")
+def bench_shift(
+    schedule: str = typer.Option(
+        ..., "--schedule", help="prompt files, one per phase: A.jsonl,B.jsonl,C.jsonl"
+    ),
+    static_draft: Path = typer.Option(
+        ..., "--static-draft", help="the draft trained on the first workload only"
+    ),
+    phase_seconds: float = typer.Option(600.0, "--phase-seconds"),
+    slot_seconds: float = typer.Option(4.0, "--slot-seconds", help="each system serves this long in turn"),
+    window_seconds: float = typer.Option(30.0, "--window-seconds"),
+    max_batch: int = typer.Option(4, "--max-batch"),
+    max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
+    model: str | None = typer.Option(None, "--model"),
+    work_dir: Path | None = typer.Option(None, "--work-dir", help="broker, registry, trainer state"),
+    out: Path = typer.Option(Path("out/bench_shift.json"), "--out"),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG: throughput ratio and acceptance over time"),
+    verbose: bool = typer.Option(False, "--verbose"),
+) -> None:
+    """No speculation, a static draft and TIDE (the whole loop live) through a workload shift."""
+    from tide.bench.shift import ShiftBenchConfig, plot_shift_report, run_shift_bench
+
+    _setup_logging(verbose)
+    files = [Path(p.strip()) for p in schedule.split(",") if p.strip()]
+    for f in files:
+        if not f.exists():
+            raise typer.BadParameter(f"no such prompt file: {f}", param_hint="--schedule")
+    cfg = ShiftBenchConfig(files, static_draft, phase_seconds, slot_seconds, window_seconds, max_batch,
+                           max_new_tokens, model=model, work_dir=work_dir)  # fmt: skip
+    with _clear_errors():
+        report = run_shift_bench(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    typer.echo(json.dumps(report["phases"], indent=2))
+    if plot is not None:
+        plot_shift_report(report, plot)
+        typer.echo(f"plot: {plot}")
+    typer.echo(f"report: {out}")
+
+
 @bench_app.command("records")
 def bench_records(
     prompts: Path = typer.Option(..., "--prompts"),

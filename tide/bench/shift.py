@@ -1,0 +1,305 @@
+"""`tide bench shift`: a workload shift served by no speculation, a static draft and TIDE, side by side.
+
+The schedule's workloads come one after another, all under the workload label `default`, so TIDE
+must notice each shift from acceptance alone. Three engines share the target's weights and the
+serving threads. They take turns in short time slots, each serving the same request sequence from
+its own cursor, so a noisy neighbour slows all three alike. TIDE runs the whole loop: its
+controller picks gamma at every step, `auto` capture publishes hidden states to a real Kafka broker,
+and a `tide train` process and a `tide gate` process (pinned to the last core: this machine's
+stand-in for a training GPU) train and promote drafts through a real MLflow registry. TIDE's
+engine follows the `default` champion. The static draft (gamma fixed) was trained on the first
+workload only.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tide.infra.kafka.broker import KafkaBroker
+from tide.infra.mlflow.server import MlflowServer
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.loader import Target, load_target
+from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.prompts import load_prompts, split
+from tide.registry.store import CHAMPION, register_folder
+from tide.serving.capture import CapturePolicy, CaptureRule
+from tide.serving.controller import ControllerConfig, build_controller
+from tide.serving.draft_sync import DraftSync, SyncConfig
+from tide.serving.engine import Engine, EngineConfig
+from tide.serving.sampling import SamplingParams
+
+WORKLOAD = "default"
+
+
+@dataclass
+class ShiftBenchConfig:
+    schedule: list[Path]
+    static_draft: Path
+    phase_seconds: float = 600.0
+    slot_seconds: float = 4.0  # each system serves this long in turn
+    window_seconds: float = 30.0
+    max_batch: int = 4
+    max_new_tokens: int = 96
+    static_gamma: int = 3
+    model: str | None = None
+    work_dir: Path | None = None  # broker, registry and trainer state (default: a temporary folder)
+
+
+@dataclass
+class Slot:
+    start: float  # seconds since the run started
+    seconds: float
+    tokens: int
+    steps: int  # sequence-steps with speculation
+    emitted: int  # tokens those steps produced
+
+
+@dataclass
+class System:
+    name: str
+    engine: Engine
+    capture: CapturePolicy | None = None
+    cursor: dict[int, int] = field(default_factory=dict)  # next request of each phase
+    slots: list[Slot] = field(default_factory=list)
+
+    def serve(
+        self, phase: int, prompts: list[list[int]], t0: float, seconds: float, params: SamplingParams
+    ) -> None:
+        e = self.engine
+        start = time.perf_counter()
+        steps0, emitted0 = e.stats.steps, e.stats.emitted
+        tokens = 0
+        while time.perf_counter() - start < seconds:
+            while len(e.running) + len(e.waiting) < e.cfg.max_batch:
+                i = self.cursor.get(phase, 0)
+                self.cursor[phase] = i + 1
+                capture = self.capture.decide(WORKLOAD, False) if self.capture else False
+                e.add(prompts[i % len(prompts)], params, workload=WORKLOAD, capture=capture)
+            tokens += sum(len(o.new_tokens) for o in e.step())
+        self.slots.append(Slot(start - t0, time.perf_counter() - start, tokens,
+                               e.stats.steps - steps0, e.stats.emitted - emitted0))  # fmt: skip
+
+
+def _tokens_per_s(slots: list[Slot]) -> float:
+    seconds = sum(s.seconds for s in slots)
+    return sum(s.tokens for s in slots) / seconds if seconds else 0.0
+
+
+def _tau(slots: list[Slot]) -> float | None:
+    steps = sum(s.steps for s in slots)
+    return sum(s.emitted for s in slots) / steps if steps else None
+
+
+def _pin(cores: set[int]) -> None:
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+
+
+def run_shift_bench(cfg: ShiftBenchConfig) -> dict[str, Any]:
+    ncpu = os.cpu_count() or 1
+    serving_cores = set(range(max(1, ncpu - 1)))
+    training_cores = {ncpu - 1}
+    _pin(serving_cores)
+    torch.set_num_threads(len(serving_cores))
+    target = load_target(cfg.model, torch.bfloat16)
+    phases = [
+        [p.token_ids(target.tok)[-256:] for p in split(load_prompts(path), "test") or load_prompts(path)]
+        for path in cfg.schedule
+    ]
+    work = cfg.work_dir or Path(tempfile.mkdtemp(prefix="tide-shift-"))
+    with KafkaBroker(work / "kafka") as kafka, MlflowServer(work / "mlflow") as mlflow:
+        return _run(cfg, target, phases, work, kafka, mlflow, training_cores)
+
+
+def _draft(target: Target, folder: Path) -> Eagle3Draft:
+    m = target.model
+    return Eagle3Draft.load(folder, m.embed_tokens, target.config, target.fingerprint, m.dtype)
+
+
+def _run(
+    cfg: ShiftBenchConfig,
+    target: Target,
+    phases: list[list[list[int]]],
+    work: Path,
+    kafka: KafkaBroker,
+    mlflow: MlflowServer,
+    training_cores: set[int],
+) -> dict[str, Any]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow.url)
+    start = register_folder(client, target.fingerprint, WORKLOAD, cfg.static_draft, {"bench": "static draft"})
+    client.set_registered_model_alias(start.name, CHAMPION, start.version)
+    length = max(len(p) for ph in phases for p in ph) + cfg.max_new_tokens + 16
+
+    def engine_cfg(gamma: int, max_gamma: int = 8) -> EngineConfig:
+        return EngineConfig(max_batch=cfg.max_batch, max_model_len=length, gamma=gamma, max_gamma=max_gamma)
+
+    nospec = System("nospec", Engine(target, None, engine_cfg(0)))
+    static = System("static", Engine(target, _draft(target, cfg.static_draft), engine_cfg(cfg.static_gamma)))
+    publisher = RecordPublisher(PublisherConfig(kafka.bootstrap, "int8-g64", 64), target.fingerprint)
+    ccfg = ControllerConfig(max_gamma=6)
+    controller = build_controller(
+        target.model, _draft(target, cfg.static_draft), ccfg, cfg.max_batch, (1, cfg.max_batch)
+    )
+    tide_engine = Engine(
+        target, _draft(target, cfg.static_draft), engine_cfg(0, 6), tap=publisher, controller=controller
+    )
+    capture = CapturePolicy({"*": CaptureRule(auto=True)})
+    sync = DraftSync(SyncConfig(mlflow.url, work / "drafts", "bench", poll_seconds=5.0), tide_engine)
+    capture.advisor = lambda w: controller.shifted(w) or (not controller.pays(w) and w not in sync.saturated)
+    tide = System("tide", tide_engine, capture)
+    systems = [nospec, static, tide]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tide_bin = str(Path(sys.executable).parent / "tide")
+
+    def spawn(args: list[str], log: str) -> subprocess.Popen[bytes]:
+        with (work / log).open("wb") as out:
+            return subprocess.Popen([tide_bin, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=lambda: _pin(training_cores))  # fmt: skip
+
+    trainer = spawn(["train", "--kafka", kafka.bootstrap, "--workload", WORKLOAD, "--mlflow", mlflow.url,
+                     "--state-dir", str(work / "trainer"), "--eval-every", "20", "--checkpoint-every", "40",
+                     "--vocab-warmup", "1024"], "trainer.log")  # fmt: skip
+    gate = spawn(["gate", "--mlflow", mlflow.url, "--kafka", kafka.bootstrap, "--poll-seconds", "5",
+                  "--min-positions", "256"], "gate.log")  # fmt: skip
+    params = SamplingParams(max_tokens=cfg.max_new_tokens)
+    events: list[dict[str, Any]] = []
+    sync.start()
+    t0 = time.perf_counter()
+    total = cfg.phase_seconds * len(phases)
+    try:
+        with tqdm(total=int(total), desc="bench shift", unit="s") as bar:
+            version = start.version
+            while (now := time.perf_counter() - t0) < total:
+                phase = int(now // cfg.phase_seconds)
+                for s in systems:
+                    s.serve(phase, phases[phase], t0, cfg.slot_seconds, params)
+                following = sync.following.get(WORKLOAD)
+                if following is not None and following.version != str(version):
+                    version = following.version
+                    events.append({"t": time.perf_counter() - t0, "promotion": version, "phase": phase})
+                bar.update(int(time.perf_counter() - t0) - bar.n)
+    finally:
+        sync.stop()
+        publisher.close()
+        for proc in (trainer, gate):
+            proc.terminate()
+            proc.wait(30)
+    return _report(cfg, systems, events, controller.snapshot(), publisher.stats.records_published)
+
+
+def _report(
+    cfg: ShiftBenchConfig,
+    systems: list[System],
+    events: list[dict[str, Any]],
+    controller: dict[str, Any],
+    records: int,
+) -> dict[str, Any]:
+    nospec, static, tide = systems
+    windows: list[dict[str, Any]] = []
+    phases: list[dict[str, Any]] = []
+    for p, path in enumerate(cfg.schedule):
+        lo, hi = p * cfg.phase_seconds, (p + 1) * cfg.phase_seconds
+
+        def within(s: System, a: float, b: float) -> list[Slot]:
+            return [x for x in s.slots if a <= x.start < b]
+
+        base = _tokens_per_s(within(nospec, lo, hi))
+        phase_windows = []
+        w = lo
+        while w + cfg.window_seconds <= hi + 1e-9:
+            n = _tokens_per_s(within(nospec, w, w + cfg.window_seconds))
+            row: dict[str, Any] = {
+                "t": w,
+                "phase": p,
+                "nospec_tokens_per_s": n,
+                "static_vs_nospec": _tokens_per_s(within(static, w, w + cfg.window_seconds)) / n
+                if n
+                else None,
+                "tide_vs_nospec": _tokens_per_s(within(tide, w, w + cfg.window_seconds)) / n if n else None,
+                "static_tau": _tau(within(static, w, w + cfg.window_seconds)),
+                "tide_tau": _tau(within(tide, w, w + cfg.window_seconds)),
+            }
+            phase_windows.append(row)
+            w += cfg.window_seconds
+        windows += phase_windows
+        ratios: list[float] = [r["tide_vs_nospec"] for r in phase_windows if r["tide_vs_nospec"] is not None]
+        adapt = None
+        for i in range(len(ratios)):
+            if all(r >= 1.0 for r in ratios[i:]):
+                adapt = phase_windows[i]["t"] - lo
+                break
+        ordered = sorted(ratios)
+        phases.append({
+            "workload": Path(path).stem,
+            "nospec_tokens_per_s": base,
+            "static_vs_nospec": _tokens_per_s(within(static, lo, hi)) / base if base else None,
+            "tide_vs_nospec": _tokens_per_s(within(tide, lo, hi)) / base if base else None,
+            "tide_window_median": statistics.median(ratios) if ratios else None,
+            "tide_window_p10": ordered[int(0.1 * (len(ordered) - 1))] if ordered else None,
+            "tide_last_window": ratios[-1] if ratios else None,
+            "adapt_seconds": adapt,
+            "promotions": sum(1 for e in events if e["phase"] == p),
+        })  # fmt: skip
+    return {
+        "config": {
+            "schedule": [str(p) for p in cfg.schedule],
+            "phase_seconds": cfg.phase_seconds,
+            "slot_seconds": cfg.slot_seconds,
+            "window_seconds": cfg.window_seconds,
+            "max_batch": cfg.max_batch,
+            "max_new_tokens": cfg.max_new_tokens,
+            "static_gamma": cfg.static_gamma,
+            "static_draft": str(cfg.static_draft),
+        },
+        "phases": phases,
+        "windows": windows,
+        "events": events,
+        "records_published": records,
+        "controller": controller,
+    }
+
+
+def plot_shift_report(report: dict[str, Any], path: Path) -> None:
+    """Throughput ratio and acceptance over time, promotions marked (the paper's Figure 1, over time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w = report["windows"]
+    t = [r["t"] / 60 for r in w]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    ax1.plot(t, [r["tide_vs_nospec"] for r in w], "-o", color="#2a7", label="TIDE / no speculation")
+    ax1.plot(t, [r["static_vs_nospec"] for r in w], "-s", color="#a72", label="static draft / no speculation")
+    ax1.axhline(1.0, color="#888", lw=1)
+    ax1.set_ylabel("throughput ratio")
+    ax2.plot(t, [r["tide_tau"] for r in w], "-o", color="#2a7", label="TIDE")
+    ax2.plot(t, [r["static_tau"] for r in w], "-s", color="#a72", label="static draft")
+    ax2.set_ylabel("tokens per step (speculating)")
+    ax2.set_xlabel("minutes")
+    phase_s = report["config"]["phase_seconds"]
+    for ax in (ax1, ax2):
+        for p, ph in enumerate(report["phases"]):
+            ax.axvline(p * phase_s / 60, color="#bbb", ls="--", lw=1)
+            ax.text(p * phase_s / 60, ax.get_ylim()[1], f" {ph['workload']}", va="top", fontsize=8)
+        for e in report["events"]:
+            ax.axvline(e["t"] / 60, color="#2a7", ls=":", lw=1)
+        ax.legend(loc="lower right", fontsize=8)
+    ax1.set_title("workload shift: promotions dotted")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
