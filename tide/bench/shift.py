@@ -110,15 +110,16 @@ def run_shift_bench(cfg: ShiftBenchConfig) -> dict[str, Any]:
     ncpu = os.cpu_count() or 1
     serving_cores = set(range(max(1, ncpu - 1)))
     training_cores = {ncpu - 1}
-    _pin(serving_cores)
-    torch.set_num_threads(len(serving_cores))
-    target = load_target(cfg.model, torch.bfloat16)
-    phases = [
-        [p.token_ids(target.tok)[-256:] for p in split(load_prompts(path), "test") or load_prompts(path)]
-        for path in cfg.schedule
-    ]
     work = cfg.work_dir or Path(tempfile.mkdtemp(prefix="tide-shift-"))
+    # the broker and the registry start before this process pins itself: they are not pinned with it
     with KafkaBroker(work / "kafka") as kafka, MlflowServer(work / "mlflow") as mlflow:
+        _pin(serving_cores)
+        torch.set_num_threads(len(serving_cores))
+        target = load_target(cfg.model, torch.bfloat16)
+        phases = [
+            [p.token_ids(target.tok)[-256:] for p in split(load_prompts(path), "test") or load_prompts(path)]
+            for path in cfg.schedule
+        ]
         return _run(cfg, target, phases, work, kafka, mlflow, training_cores)
 
 
