@@ -16,6 +16,7 @@ when the workload's draft does not pay.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -145,18 +146,36 @@ class Controller:
             acc = self.acceptance[workload] = Acceptance(self.cfg.max_gamma)
         return acc
 
+    def _taus(self, workloads: list[str]) -> list[float]:
+        """The batch's mean tokens per step for gamma = 0..max_gamma (each distinct workload once)."""
+        taus = [0.0] * (self.cfg.max_gamma + 1)
+        for w, n in Counter(workloads).items():
+            alive, tau = 1.0, 1.0
+            taus[0] += n
+            for g, a in enumerate(self.tracker(w).alphas(), start=1):
+                alive *= a
+                tau += alive
+                taus[g] += n * tau
+        return [t / len(workloads) for t in taus]
+
     def speedup(self, workloads: list[str], gamma: int) -> float:
         """Predicted tokens/s of a batch of these workloads at gamma, over plain decoding's."""
-        b = len(workloads)
-        if gamma == 0 or b == 0:
+        if gamma == 0 or not workloads:
             return 1.0
-        taus = sum(self.tracker(w).tau(gamma) for w in workloads) / b
-        return taus * self.costs.step_time(b, 0) / self.costs.step_time(b, gamma)
+        b = len(workloads)
+        return self._taus(workloads)[gamma] * self.costs.step_time(b, 0) / self.costs.step_time(b, gamma)
 
     def best(self, workloads: list[str]) -> Decision:
-        top = max(range(self.cfg.max_gamma + 1), key=lambda g: self.speedup(workloads, g))
-        s = self.speedup(workloads, top)
-        return Decision(top, s) if s >= self.cfg.min_gain else Decision(0, 1.0)
+        if not workloads:
+            return Decision(0, 1.0)
+        b = len(workloads)
+        taus = self._taus(workloads)
+        plain = self.costs.step_time(b, 0)
+        speedups = [1.0] + [
+            taus[g] * plain / self.costs.step_time(b, g) for g in range(1, self.cfg.max_gamma + 1)
+        ]
+        top = max(range(len(speedups)), key=speedups.__getitem__)
+        return Decision(top, speedups[top]) if speedups[top] >= self.cfg.min_gain else Decision(0, 1.0)
 
     def choose(self, workloads: list[str]) -> Decision:
         """The gamma of the next step for a batch of these workloads (one entry per sequence)."""
