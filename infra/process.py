@@ -1,4 +1,5 @@
-"""What the local services (Kafka broker, MLflow server) share: a free port, a log tail, a clean stop."""
+"""What the local services (Kafka broker, MLflow server, S3 server) share: a free port, a log tail,
+a launch into their own session, a clean stop."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import re
 import signal
 import socket
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
 
 
 def free_port() -> int:
@@ -40,3 +44,61 @@ def stop_group(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
         proc.wait()
     except ProcessLookupError:
         proc.wait()
+
+
+@dataclass
+class LocalService:
+    """A server process of ours, in its own session (Ctrl-C in a terminal reaches us, not it), logging
+    to `log_path`. Subclasses build the command line in `start()` and say when it is ready."""
+
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False, kw_only=True)
+    _log: IO[bytes] | None = field(default=None, repr=False, kw_only=True)
+
+    @property
+    def log_path(self) -> Path:
+        raise NotImplementedError
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout: float = 120) -> Self:
+        raise NotImplementedError
+
+    def _wait_ready(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def _launch(self, args: list[str], env: dict[str, str] | None, timeout: float) -> None:
+        self._log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
+
+    def stop(self, timeout: float = 30) -> None:
+        proc, self.process = self.process, None
+        stop_group(proc, timeout)  # the server and whatever it started
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self, timeout: float = 120) -> Self:
+        """Stop and start again on the same ports and data."""
+        self.stop()
+        return self.start(timeout)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

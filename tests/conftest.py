@@ -160,19 +160,31 @@ def tiny_draft(target: Target, vocab: int | None = None, seed: int = 1) -> Eagle
 
 
 @contextmanager
-def serve_process(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`tide serve ARGS` as a separate process, as users run it; yields its base URL once healthy."""
-    port = free_port()
+def tide_process(
+    args: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`tide ARGS` as a separate process, as users run it (environment: ours, plus `env`)."""
     tide = Path(sys.executable).parent / "tide"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(tide), "serve", "--port", str(port), *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            [str(tide), *args], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
-    url = f"http://127.0.0.1:{port}"
     try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextmanager
+def serve_process(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`tide serve ARGS`; yields its base URL once healthy."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tide_process(["serve", "--port", str(port), *args], log, env) as proc:
         deadline = time.monotonic() + 300
         while True:
             assert proc.poll() is None, f"server exited:\n{log.read_text()[-3000:]}"
@@ -184,12 +196,6 @@ def serve_process(args: list[str], log: Path, env: dict[str, str] | None = None)
                 pass
             time.sleep(0.5)
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="session")

@@ -6,14 +6,9 @@ rises."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -27,24 +22,9 @@ from tide.infra.s3.server import S3Server
 from tide.models.loader import Target
 from tide.prompts import load_prompts, split
 
-from .conftest import WORKLOADS, serve_process
+from .conftest import WORKLOADS, serve_process, tide_process
 from .drafts import Registrar
 from .test_registry_serving import drafts, metric, wait_for
-
-
-@contextmanager
-def tide_process(args: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    tide = Path(sys.executable).parent / "tide"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([str(tide), *args], stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def chat(url: str, workload: str, messages: list[dict[str, str]], capture: bool) -> int:
@@ -102,7 +82,7 @@ def test_the_loop_raises_acceptance_on_a_mismatched_workload(
     fr = load_prompts(WORKLOADS / "chat_fr.jsonl")
     evaluation = [p.messages for p in split(fr, "test")[:8] if p.messages]
     traffic = [p.messages for p in split(fr, "train") if p.messages]
-    env = {**os.environ, **s3.env, "OMP_NUM_THREADS": "1"}  # trainer and gate: one core between them
+    env = {**s3.env, "OMP_NUM_THREADS": "1"}  # trainer and gate: one core between them
     # its own registry: a default champion here must not leak into other tests' baselines
     with MlflowServer(tmp_path / "mlflow", s3=s3, bucket="tide-e2e") as mlflow:
         # the operator registered the code draft as the default champion: the baseline to beat

@@ -22,11 +22,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import IO
 
 from tide.config import cache_dir
-from tide.infra.process import free_port, stop_group, tail
+from tide.infra.process import LocalService, free_port, tail
 
 HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"
@@ -86,7 +84,7 @@ def _cluster_id() -> str:
 
 
 @dataclass
-class KafkaBroker:
+class KafkaBroker(LocalService):
     """One KRaft node (broker+controller) whose logs and metadata live in `data_dir`.
 
     Ports left as None are picked at start (or read back from an earlier run on the same data dir) and then kept,
@@ -99,8 +97,6 @@ class KafkaBroker:
     heap: str = "-Xmx256m -Xms64m"
     max_message_bytes: int = 2 * 1024 * 1024
     extra: dict[str, str] = field(default_factory=dict)
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    _log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
     def bootstrap(self) -> str:
@@ -111,10 +107,6 @@ class KafkaBroker:
     @property
     def log_path(self) -> Path:
         return self.data_dir / "broker.log"
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
 
     def _ports(self) -> None:
         saved = self.data_dir / "ports.json"
@@ -179,19 +171,7 @@ class KafkaBroker:
             res = subprocess.run(fmt, capture_output=True, text=True, timeout=timeout)
             if res.returncode != 0:
                 raise BrokerError("kafka-storage format failed:\n" + tail(res.stdout + res.stderr))
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process's lifetime
-        self.process = subprocess.Popen(
-            self._java(jars, "kafka.Kafka", str(config)),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: Ctrl-C in a terminal reaches us, not the JVM
-        )
-        try:
-            self._wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
+        self._launch(self._java(jars, "kafka.Kafka", str(config)), None, timeout)
         return self
 
     def _wait_ready(self, timeout: float) -> None:
@@ -202,7 +182,7 @@ class KafkaBroker:
         while not self._accepts():
             self._check_alive()
             if time.monotonic() > deadline:
-                raise BrokerError(f"no listener on {self.bootstrap} after {timeout:.0f}s:\n{self.logtail()}")
+                raise BrokerError(f"no listener on {self.bootstrap} after {timeout:.0f}s:\n{self.log_tail()}")
             time.sleep(0.2)
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         last: Exception | None = None
@@ -214,7 +194,7 @@ class KafkaBroker:
             except Exception as e:  # KafkaException while the broker is still catching up
                 last = e
             if time.monotonic() > deadline:
-                raise BrokerError(f"broker not ready after {timeout:.0f}s ({last}):\n{self.logtail()}")
+                raise BrokerError(f"broker not ready after {timeout:.0f}s ({last}):\n{self.log_tail()}")
             time.sleep(0.2)
 
     def _accepts(self) -> bool:
@@ -226,33 +206,7 @@ class KafkaBroker:
 
     def _check_alive(self) -> None:
         if self.process is not None and self.process.poll() is not None:
-            raise BrokerError(f"the broker exited with {self.process.returncode}:\n{self.logtail()}")
-
-    def logtail(self, lines: int = 40) -> str:
-        try:
-            return tail(self.log_path.read_text(errors="replace"), lines)
-        except OSError:
-            return "(no broker log)"
-
-    def stop(self, timeout: float = 30) -> None:
-        proc, self.process = self.process, None
-        stop_group(proc, timeout)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def restart(self, timeout: float = 120) -> KafkaBroker:
-        """Stop and start again on the same ports and data."""
-        self.stop()
-        return self.start(timeout)
-
-    def __enter__(self) -> KafkaBroker:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+            raise BrokerError(f"the broker exited with {self.process.returncode}:\n{self.log_tail()}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -279,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)  # fmt: skip
             while broker.running:
                 time.sleep(1)
-            raise SystemExit(f"error: the broker exited:\n{broker.logtail()}")
+            raise SystemExit(f"error: the broker exited:\n{broker.log_tail()}")
     except KeyboardInterrupt:
         print("stopping", flush=True)
     except BrokerError as e:

@@ -10,17 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import IO
 
 import httpx
 
-from tide.infra.process import free_port, log_tail, stop_group
+from tide.infra.process import LocalService, free_port
 from tide.infra.s3.server import S3Server
 
 
@@ -29,7 +26,7 @@ class MlflowServerError(RuntimeError):
 
 
 @dataclass
-class MlflowServer:
+class MlflowServer(LocalService):
     data_dir: Path
     port: int | None = None
     host: str = "127.0.0.1"
@@ -37,8 +34,6 @@ class MlflowServer:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the server
     s3: S3Server | None = None  # S3 mode: artifacts in s3://<bucket>/mlflow, reached by clients directly
     bucket: str = "tide-drafts"
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    _log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -55,10 +50,6 @@ class MlflowServer:
         if self.s3 is not None:
             return f"s3://{self.bucket}/mlflow"
         return self.artifacts or str(self.data_dir / "artifacts")
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
 
     def start(self, timeout: float = 120) -> MlflowServer:
         if self.running:
@@ -80,15 +71,7 @@ class MlflowServer:
         else:
             args += ["--artifacts-destination", self.artifact_root]
         env |= self.env
-        self._log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            self._wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
+        self._launch(args, env, timeout)
         return self
 
     def _wait_ready(self, timeout: float) -> None:
@@ -103,29 +86,6 @@ class MlflowServer:
                 pass
             time.sleep(0.5)
         raise MlflowServerError(f"mlflow server did not answer within {timeout:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 30) -> str:
-        return log_tail(self.log_path, lines)
-
-    def stop(self, timeout: float = 30) -> None:
-        proc, self.process = self.process, None
-        stop_group(proc, timeout)  # the server and its workers
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def restart(self, timeout: float = 120) -> MlflowServer:
-        """Stop and start again on the same port, store and artifacts."""
-        self.stop()
-        return self.start(timeout)
-
-    def __enter__(self) -> MlflowServer:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

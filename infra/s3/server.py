@@ -16,13 +16,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 from tide.config import cache_dir
-from tide.infra.process import free_port, log_tail, stop_group
+from tide.infra.process import LocalService, free_port, log_tail
 
 MODULE = "github.com/versity/versitygw"
 VERSION = "v1.8.0"
@@ -82,7 +81,7 @@ def _xattrs_supported(path: Path) -> bool:
 
 
 @dataclass
-class S3Server:
+class S3Server(LocalService):
     """One versitygw process serving the folders under data_dir/objects as buckets, with one root account.
 
     A port left as None is picked at start and then kept, so `restart()` comes back where clients expect it.
@@ -94,8 +93,6 @@ class S3Server:
     access_key: str = "tide"
     secret_key: str = "tide-secret-key"  # a fixed development secret: the server is for tests and local use
     region: str = "us-east-1"
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    _log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
     def endpoint_url(self) -> str:
@@ -122,10 +119,6 @@ class S3Server:
     def objects_dir(self) -> Path:
         return self.data_dir / "objects"
 
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def command(self, binary: Path) -> list[str]:
         """The command line (the root keys travel in the environment, out of `ps`)."""
         meta: list[str] = []
@@ -146,20 +139,7 @@ class S3Server:
         # the caller's VGW_* settings (an IAM dir, TLS, ...) would change what this server is
         env = {k: v for k, v in os.environ.items() if not k.startswith("VGW_")}
         env |= {"ROOT_ACCESS_KEY_ID": self.access_key, "ROOT_SECRET_ACCESS_KEY": self.secret_key}
-        self._log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            self.command(binary),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its own process group: Ctrl-C in a terminal reaches us, not the server
-        )
-        try:
-            self._wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
+        self._launch(self.command(binary), env, timeout)
         return self
 
     def _wait_ready(self, timeout: float) -> None:
@@ -204,29 +184,6 @@ class S3Server:
             if e.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
                 raise
             client.create_bucket(Bucket=name)
-
-    def log_tail(self, lines: int = 40) -> str:
-        return log_tail(self.log_path, lines)
-
-    def stop(self, timeout: float = 30) -> None:
-        proc, self.process = self.process, None
-        stop_group(proc, timeout)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def restart(self, timeout: float = 30) -> S3Server:
-        """Stop and start again on the same port and data."""
-        self.stop()
-        return self.start(timeout)
-
-    def __enter__(self) -> S3Server:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
