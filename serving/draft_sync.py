@@ -184,7 +184,7 @@ class DraftSync:
 
     # -- after a swap: does the draft deliver what the gate predicted? ---------------------------
     def _watch(self) -> None:
-        gamma = self.engine.cfg.gamma
+        gamma = self.engine.gamma
         for workload, f in list(self.following.items()):
             slot = self.engine.drafts.get(workload)
             if f.judged or slot is None or slot.version != f.draft_version or gamma not in f.predicted_tau:
@@ -207,7 +207,7 @@ class DraftSync:
     def _roll_back(
         self, workload: str, f: Following, live: float, predicted: float, tags: dict[str, str]
     ) -> None:
-        reason = (f"live tau {live:.3f} at gamma {self.engine.cfg.gamma} fell short of the gate's "
+        reason = (f"live tau {live:.3f} at gamma {self.engine.gamma} fell short of the gate's "
                   f"{predicted:.3f} by more than {self.cfg.rollback_tolerance:.0%}")  # fmt: skip
         log.warning("%s version %s: %s; rolling back", f.name, f.version, reason)
         self.refused.add((f.name, f.version))
@@ -222,10 +222,10 @@ class DraftSync:
             self.client.set_registered_model_alias(f.name, CHAMPION, prev.version)
         else:
             self.client.delete_registered_model_alias(f.name, CHAMPION)
-        self.stats.rollbacks += 1
         self._tag(f, {**tags, "rollback.reason": reason, "rollback.node": self.cfg.node,
                       "rollback.to": str(prev.version) if draft is not None and prev else "default draft",
                       "rollback.time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})  # fmt: skip
+        self.stats.rollbacks += 1  # counted once its evidence is on the version
 
     def _tag(self, f: Following, tags: dict[str, str]) -> None:
         set_tags(self.client, self.client.get_model_version(f.name, f.version), dict(tags))
