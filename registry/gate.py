@@ -176,7 +176,7 @@ class Gate:
             log.debug("%s: %d held-out positions, waiting for %d", rm.name, positions, self.cfg.min_positions)
             return decisions
         profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
-        return [*decisions, self._decide(rm, workload, newest, examples, positions, profile)]
+        return [*decisions, self._decide(rm, workload, newest, champion, examples, positions, profile)]
 
     # -- a decision -----------------------------------------------------------------------------
     def _decide(
@@ -184,6 +184,7 @@ class Gate:
         rm: RegisteredModel,
         workload: str,
         cand: ModelVersion,
+        champion: ModelVersion | None,
         examples: list[Example],
         positions: int,
         profile: StepProfile | None,
@@ -198,7 +199,7 @@ class Gate:
             kind = "foreign target" if isinstance(e, DraftMismatchError) else "unloadable"
             return self._record(cand, "refused", f"{kind}: {e}", tags)
         tags |= _figures("gate", ev, gamma)
-        base_mv, base = self._baseline(rm, workload, cand, examples, profile)
+        base_mv, base = self._baseline(workload, cand, champion, examples, profile)
         if base is not None and base_mv is not None:
             tags |= _figures("gate.baseline", base, gamma)
             tags["gate.baseline"] = f"{base_mv.name} v{base_mv.version}"
@@ -214,23 +215,22 @@ class Gate:
                 reason = (f"{unit} {score:.3f} does not beat the baseline's {base.score(gamma):.3f} "
                           f"by {self.cfg.margin:.0%} (needs {needed:.3f})")  # fmt: skip
                 return self._record(cand, "refused", reason, tags)
-        old = alias_version(self.client, rm.name, CHAMPION)
-        if old is not None:
-            self.client.set_registered_model_alias(rm.name, PREVIOUS, old.version)
+        if champion is not None:
+            self.client.set_registered_model_alias(rm.name, PREVIOUS, champion.version)
         self.client.set_registered_model_alias(rm.name, CHAMPION, cand.version)
         over = f"baseline {base.score(gamma):.3f}" if base is not None else "no baseline"
         return self._record(cand, "promoted", f"{unit} {score:.3f} (over {over})", tags)
 
     def _baseline(
         self,
-        rm: RegisteredModel,
         workload: str,
         cand: ModelVersion,
+        champion: ModelVersion | None,
         examples: list[Example],
         profile: StepProfile | None,
     ) -> tuple[ModelVersion | None, Evaluation | None]:
         """What serves the workload now: its champion, else the default workload's champion."""
-        mv = alias_version(self.client, rm.name, CHAMPION)
+        mv = champion
         if mv is None and workload != "default":
             mv = alias_version(self.client, model_name(self.head.fingerprint, "default"), CHAMPION)
         if mv is None or (mv.name == cand.name and mv.version == cand.version):

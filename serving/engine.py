@@ -487,7 +487,7 @@ class Engine:
         rows = torch.arange(bsz)
         adaptive = self.adaptive and self.controller is not None
         groups = self._draft_groups(seqs) if (self.cfg.gamma > 0 or adaptive) else None
-        workloads = [q.workload for q in seqs]
+        workloads = [q.workload for q in seqs] if adaptive else []  # only the controller reads them
         if groups and adaptive and self.controller is not None:
             gamma = self.controller.choose(workloads).gamma
         else:
@@ -520,7 +520,7 @@ class Engine:
         seconds = time.perf_counter() - start
         self.timing.decode_steps += 1
         self.timing.decode_seconds += seconds
-        if self.controller is not None:
+        if adaptive and self.controller is not None:
             self.controller.observe(workloads, acc, gamma, seconds)
         results = []
         starts = lengths.tolist()
