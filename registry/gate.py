@@ -41,7 +41,7 @@ from tide.registry.store import (
     set_tags,
 )
 from tide.serving.cost_model import StepProfile
-from tide.trainers.online import example_of
+from tide.trainers.online import example_of, keep_recent
 from tide.trainers.ttt import Example, TrainConfig, evaluate
 
 log = logging.getLogger("tide.registry")
@@ -58,7 +58,9 @@ class GateConfig:
     gamma: int = 4  # the serving gamma, used while no profile is known
     gamma_max: int = 4
     min_positions: int = 256  # held-out positions needed before any decision
-    held_out_size: int = 200  # most recent held-out examples kept per workload
+    # the most recent held-out positions per workload: after a shift they must soon be the new traffic
+    held_out_positions: int = 1536
+    recall: int = 3  # earlier champions weighed against each candidate (a workload that comes back)
 
 
 @dataclass
@@ -99,9 +101,9 @@ def parse_profile(raw: str | None) -> StepProfile | None:
 class HeldOut:
     """A workload's most recent held-out examples, read from its topic."""
 
-    def __init__(self, bootstrap: str, workload: str, head: TargetHead, size: int):
+    def __init__(self, bootstrap: str, workload: str, head: TargetHead, positions: int):
         self.head = head
-        self.size = size
+        self.positions = positions
         self.examples: list[Example] = []
         self.consumer = RecordConsumer(bootstrap, [workload], f"tide-gate.{workload}", head.fingerprint)
 
@@ -117,7 +119,7 @@ class HeldOut:
                 ex = example_of(c.record, self.head.lm_head)
                 if ex is not None:
                     self.examples.append(ex)
-            self.examples = self.examples[-self.size :]
+            self.examples = keep_recent(self.examples, self.positions)
         return self.examples
 
     def close(self) -> None:
@@ -169,14 +171,20 @@ class Gate:
             for v in undecided[:-1]
         ]
         if workload not in self.held_out:
-            self.held_out[workload] = HeldOut(self.cfg.bootstrap, workload, self.head, self.cfg.held_out_size)
+            self.held_out[workload] = HeldOut(
+                self.cfg.bootstrap, workload, self.head, self.cfg.held_out_positions
+            )
         examples = self.held_out[workload].drain()
         positions = sum(max(0, len(e.tokens) - e.learn_from) for e in examples)
         if positions < self.cfg.min_positions:
             log.debug("%s: %d held-out positions, waiting for %d", rm.name, positions, self.cfg.min_positions)
             return decisions
         profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
-        return [*decisions, self._decide(rm, workload, newest, champion, examples, positions, profile)]
+        alumni = _alumni(versions, champion, self.cfg.recall)
+        return [
+            *decisions,
+            self._decide(rm, workload, newest, champion, examples, positions, profile, alumni),
+        ]
 
     # -- a decision -----------------------------------------------------------------------------
     def _decide(
@@ -188,6 +196,7 @@ class Gate:
         examples: list[Example],
         positions: int,
         profile: StepProfile | None,
+        alumni: list[ModelVersion] = [],  # noqa: B006 (never mutated)
     ) -> Decision:
         gamma = self.cfg.gamma
         tags: dict[str, str] = {"gate.held_out_positions": str(positions), "gate.profile": _describe(profile)}
@@ -207,19 +216,47 @@ class Gate:
             tags["gate.baseline"] = "none"
         score = ev.score(gamma)
         minimum, unit = (self.cfg.min_speedup, "speedup") if profile else (self.cfg.min_tau, f"tau@{gamma}")
+        needed = max(minimum, base.score(gamma) * (1 + self.cfg.margin) if base is not None else 0.0)
+        recalled = self._recall(alumni, examples, profile, max(score, needed))
+        if recalled is not None:
+            mv, old = recalled
+            reason = f"{unit} {score:.3f}, but earlier champion v{mv.version} has {old.score(gamma):.3f}"
+            self._promote(rm, champion, mv)
+            set_tags(self.client, mv, {**_figures("gate.recall", old, gamma), "gate.recall.time": _now(),
+                                       "gate.recall.reason": f"beat candidate v{cand.version}: {reason}"})  # fmt: skip
+            return self._record(cand, "refused", reason, tags)
         if score < minimum:
             return self._record(cand, "refused", f"{unit} {score:.3f} below the minimum {minimum:.3f}", tags)
-        if base is not None:
-            needed = base.score(gamma) * (1 + self.cfg.margin)
-            if score < needed:
-                reason = (f"{unit} {score:.3f} does not beat the baseline's {base.score(gamma):.3f} "
-                          f"by {self.cfg.margin:.0%} (needs {needed:.3f})")  # fmt: skip
-                return self._record(cand, "refused", reason, tags)
-        if champion is not None:
-            self.client.set_registered_model_alias(rm.name, PREVIOUS, champion.version)
-        self.client.set_registered_model_alias(rm.name, CHAMPION, cand.version)
+        if base is not None and score < needed:
+            reason = (f"{unit} {score:.3f} does not beat the baseline's {base.score(gamma):.3f} "
+                      f"by {self.cfg.margin:.0%} (needs {needed:.3f})")  # fmt: skip
+            return self._record(cand, "refused", reason, tags)
+        self._promote(rm, champion, cand)
         over = f"baseline {base.score(gamma):.3f}" if base is not None else "no baseline"
         return self._record(cand, "promoted", f"{unit} {score:.3f} (over {over})", tags)
+
+    def _promote(self, rm: RegisteredModel, champion: ModelVersion | None, mv: ModelVersion) -> None:
+        if champion is not None:
+            self.client.set_registered_model_alias(rm.name, PREVIOUS, champion.version)
+            set_tags(self.client, champion, {"gate.champion_until": _now()})  # recallable from now on
+        self.client.set_registered_model_alias(rm.name, CHAMPION, mv.version)
+
+    def _recall(
+        self, alumni: list[ModelVersion], examples: list[Example], profile: StepProfile | None, bar: float
+    ) -> tuple[ModelVersion, Evaluation] | None:
+        """The best earlier champion above `bar` (the candidate's score and what promotion needs) on
+        today's held-out traffic: a workload that comes back finds its draft again at once, instead
+        of waiting for the trainer to relearn it."""
+        best: tuple[ModelVersion, Evaluation] | None = None
+        for mv in alumni:
+            try:
+                ev = self.evaluate(mv, examples, profile)
+            except (ArtifactRefused, DraftLoadError, DraftMismatchError, OSError) as e:
+                log.warning("earlier champion %s v%s unusable: %s", mv.name, mv.version, e)
+                continue
+            if ev.score(self.cfg.gamma) > max(bar, best[1].score(self.cfg.gamma) if best else 0.0):
+                best = (mv, ev)
+        return best
 
     def _baseline(
         self,
@@ -252,8 +289,7 @@ class Gate:
         return Evaluation(str(mv.version), m.tau, speedup)
 
     def _record(self, mv: ModelVersion, decision: str, reason: str, tags: dict[str, str]) -> Decision:
-        all_tags = {**tags, "gate.decision": decision, "gate.reason": reason,
-                    "gate.time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+        all_tags = {**tags, "gate.decision": decision, "gate.reason": reason, "gate.time": _now()}
         set_tags(self.client, mv, dict(all_tags))
         return Decision(mv.name, str(mv.version), decision, reason, all_tags)
 
@@ -264,6 +300,20 @@ class Gate:
 
 def _number(mv: ModelVersion) -> int:
     return int(mv.version)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _alumni(versions: list[ModelVersion], champion: ModelVersion | None, n: int) -> list[ModelVersion]:
+    """The newest n versions that were champion once (the gate promoted them, or displaced them) and are not now."""
+    now = champion.version if champion is not None else None
+    done = [
+        v for v in versions
+        if v.version != now and ((v.tags or {}).get("gate.decision") == "promoted" or "gate.champion_until" in (v.tags or {}))
+    ]  # fmt: skip
+    return sorted(done, key=_number)[-n:] if n > 0 else []
 
 
 def _figures(prefix: str, ev: Evaluation, gamma: int) -> dict[str, str]:

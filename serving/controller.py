@@ -5,8 +5,9 @@ average (expected tokens per step = 1 + sum_k prod_{i<=k} alpha_i). Step times c
 profiles measured at start-up at a few batch sizes (the target's forward for 1..max_gamma+1
 tokens per sequence, one draft step), corrected while serving by the engine's measured step
 times. Each step it picks the gamma that maximises the running batch's predicted speedup, and 0
-when none beats plain decoding. While speculation is off, one step in `explore_every` still drafts
-one token, so the estimate stays current and speculation comes back as soon as a draft pays.
+when none beats plain decoding. One step in `explore_every` drafts one token more than chosen (one
+while speculation is off), so the estimates stay current: speculation comes back as soon as a draft
+pays, and a depth that looked bad once is tried again.
 
 The short average falling below the long one is the paper's shift detector: the workload's
 traffic changed under its draft. `wants_capture` turns capture (and so training) on then, or
@@ -26,6 +27,8 @@ from tide.models.llama import LlamaModel
 from tide.serving.cost_model import StepProfile, measure_profile
 
 PRIOR_ALPHA = 0.5  # before any observation: optimistic enough that a new draft gets tried
+# the prior counts as this many observations: one unlucky first step must not shut a depth off for good
+PRIOR_WEIGHT = 8
 
 
 @dataclass
@@ -33,7 +36,9 @@ class ControllerConfig:
     max_gamma: int = 6
     short_steps: float = 64.0  # horizon of the short average, in drafted sequence-steps
     long_steps: float = 1024.0
-    explore_every: int = 16  # while off: draft one token in this many steps
+    # while off: draft one token in this many steps; while on: one token deeper than chosen, so
+    # the acceptance of the next depth stays known
+    explore_every: int = 16
     min_gain: float = 1.02  # speculate only above this predicted speedup
     shift_drop: float = 0.15  # short tau this far below long tau: the workload shifted
     cost_horizon: float = 32.0  # steps averaged into the measured/predicted step-time ratio
@@ -65,12 +70,15 @@ class Acceptance:
         depth = torch.arange(gamma)
         attempted = (accepted.unsqueeze(1) >= depth).sum(0)
         kept = (accepted.unsqueeze(1) > depth).sum(0)
+        inherited = self.alphas("short"), self.alphas("long")
         for d, (n, k) in enumerate(zip(attempted.tolist(), kept.tolist(), strict=True)):
             if n == 0:
                 continue
+            if self.seen[d] == 0:  # a depth seen for the first time starts from the one above it
+                self.short[d], self.long[d] = inherited[0][d], inherited[1][d]
             rate = k / n
-            # a plain mean until the horizon is reached: the prior must not linger in the long average
-            first = n / (int(self.seen[d]) + n)
+            # a mean with the prior until the horizon is reached: the prior must not linger in the long average
+            first = n / (int(self.seen[d]) + n + PRIOR_WEIGHT)
             self.short[d] += max(first, _ema_weight(short_h, n)) * (rate - self.short[d])
             self.long[d] += max(first, _ema_weight(long_h, n)) * (rate - self.long[d])
             self.seen[d] += n
@@ -134,7 +142,7 @@ class Controller:
         self.cfg = cfg
         self.costs = StepCosts(profiles, cfg.cost_horizon)
         self.acceptance: dict[str, Acceptance] = {}
-        self.steps_off = 0
+        self.steps = 0  # decisions made: every explore_every-th explores
         self.last = Decision(0, 1.0)
         self.measured_speedup = 1.0  # moving average of measured tokens/s over plain decoding's
         self.batch_size = 1  # of the last decode step: per-workload decisions are judged at it
@@ -180,12 +188,9 @@ class Controller:
     def choose(self, workloads: list[str]) -> Decision:
         """The gamma of the next step for a batch of these workloads (one entry per sequence)."""
         d = self.best(workloads)
-        if d.gamma == 0:
-            self.steps_off += 1
-            if self.steps_off % self.cfg.explore_every == 0:
-                d = Decision(1, self.speedup(workloads, 1), explore=True)
-        else:
-            self.steps_off = 0
+        self.steps += 1
+        if self.steps % self.cfg.explore_every == 0 and d.gamma < self.cfg.max_gamma:
+            d = Decision(d.gamma + 1, self.speedup(workloads, d.gamma + 1), explore=True)
         self.last = d
         return d
 

@@ -164,8 +164,8 @@ class DraftSync:
         return None
 
     def _check_saturation(self, workload: str, name: str) -> None:
-        """Training is done for now when the last `patience` candidates did not beat the best
-        held-out tau before them by `min_improvement`."""
+        """Training is done for now when none of the last `patience` candidates beat the one before
+        it by `min_improvement` on the trainer's held-out examples."""
         n = self.cfg.patience
         try:
             versions = self.client.search_model_versions(
@@ -175,8 +175,8 @@ class DraftSync:
             if e.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return
             raise
-        taus = [float(v.tags["held_out_tau"]) for v in versions if "held_out_tau" in (v.tags or {})]
-        done = len(taus) > n and max(taus[:n]) <= max(taus[n:]) * (1 + self.cfg.min_improvement)
+        gains = [float(v.tags["held_out_gain"]) for v in versions if "held_out_gain" in (v.tags or {})]
+        done = len(gains) >= n and max(gains[:n]) < self.cfg.min_improvement
         if done:
             self.saturated.add(workload)
         else:

@@ -97,7 +97,7 @@ def _train_process(
     tide = Path(sys.executable).parent / "tide"
     args = [str(tide), "train", "--kafka", kafka.bootstrap, "--workload", workload, "--state-dir", str(state),
             "--start-draft", str(draft), "--checkpoint-every", "4", "--eval-every", "1000", "--idle-seconds", "8",
-            "--vocab-warmup", "256"]  # fmt: skip
+            "--vocab-warmup", "256", "--no-replay-when-idle"]  # fmt: skip
     with log.open("ab") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
 

@@ -113,3 +113,22 @@ def test_gate_skips_superseded_versions_and_waits_for_held_out_records(
     v = quiet.register(trained_draft_dir)
     assert not [d for d in gate.run_once() if d.name == quiet.name]
     assert "gate.decision" not in quiet.tags(v)
+
+
+def test_gate_recalls_an_earlier_champion_that_serves_better(
+    gate_setup: tuple[Gate, Registrar], trained_draft_dir: Path, tmp_path: Path
+) -> None:
+    gate, reg = gate_setup
+    good, weak = reg.alias("champion"), reg.alias("previous")
+    assert good and weak and good != weak
+    # a node rolled the workload back to the weak draft; then a mediocre candidate arrives
+    reg.client.set_registered_model_alias(reg.name, "champion", weak)
+    cand = reg.register(noisy_draft(trained_draft_dir, tmp_path / "mediocre", 0.5, seed=2))
+    tags = _decide(gate, reg)
+    # the trained draft, champion once, beats both on the held-out traffic: it is champion again
+    assert tags["gate.decision"] == "refused" and f"earlier champion v{good}" in tags["gate.reason"], tags
+    assert reg.alias("champion") == good and reg.alias("previous") == weak
+    recalled = reg.tags(reg.client.get_model_version(reg.name, good))
+    assert f"beat candidate v{cand.version}" in recalled["gate.recall.reason"]
+    assert float(recalled["gate.recall.score"]) > float(tags["gate.score"])
+    assert "gate.champion_until" in reg.tags(reg.client.get_model_version(reg.name, weak))

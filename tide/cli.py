@@ -170,6 +170,11 @@ def train_online(
     vocab_warmup: int = typer.Option(
         2048, "--vocab-warmup", help="positions read before the vocabulary refit"
     ),
+    replay_when_idle: bool = typer.Option(
+        True,
+        "--replay-when-idle/--no-replay-when-idle",
+        help="train on the replay buffer while no record comes",
+    ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """Train a workload's draft from its Kafka topic; publish candidates to MLflow."""
@@ -191,7 +196,7 @@ def train_online(
         state = state_dir or cache_dir() / "trainers" / head.fingerprint[:12] / workload
         cfg = OnlineConfig(
             kafka, workload, state, eval_every=eval_every, checkpoint_every=checkpoint_every,
-            publish_every=publish_every, vocab_warmup_positions=vocab_warmup,
+            publish_every=publish_every, vocab_warmup_positions=vocab_warmup, replay_when_idle=replay_when_idle,
         )  # fmt: skip
         sink = None
         if mlflow:
@@ -421,7 +426,7 @@ def bench_shift(
     phase_seconds: float = typer.Option(600.0, "--phase-seconds"),
     slot_seconds: float = typer.Option(4.0, "--slot-seconds", help="each system serves this long in turn"),
     window_seconds: float = typer.Option(30.0, "--window-seconds"),
-    max_batch: int = typer.Option(4, "--max-batch"),
+    max_batch: int = typer.Option(1, "--max-batch", help="1: where speculation pays most on a CPU"),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
     model: str | None = typer.Option(None, "--model"),
     work_dir: Path | None = typer.Option(None, "--work-dir", help="broker, registry, trainer state"),

@@ -32,7 +32,7 @@ class Ledger:
     redeliveries: int = 0
     skipped: int = 0
     candidates: int = 0
-    best_tau: float = 0.0
+    best_tau: float = 0.0  # held-out tau of the last candidate
     first_offsets: dict[str, int] = field(default_factory=dict)  # where this workload's training began
 
     def to_json(self) -> str:

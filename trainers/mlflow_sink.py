@@ -74,6 +74,7 @@ class MlflowSink:
             "steps": str(step),
             "offset_range": ";".join(f"{k}={a}..{b}" for k, (a, b) in offsets.items()),
             "held_out_tau": f"{c.metrics.tau[-1]:.4f}",
+            "held_out_gain": f"{c.gain:.4f}",
         }
         mv = register_version(self.client, self.name, self.run_id, c.folder, artifact_path, tags)
         log.info("candidate %s registered as %s version %s", c.version, self.name, mv.version)

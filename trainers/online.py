@@ -11,6 +11,7 @@ candidate is published when held-out τ improves or every `publish_every` steps.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import threading
@@ -28,7 +29,7 @@ from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HiddenStateRecord
 from tide.registry.store import HELD_OUT_PERCENT, is_held_out
 from tide.trainers.checkpoint import Ledger, load_checkpoint, save_checkpoint
-from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, select_vocab
+from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, evaluate, select_vocab
 
 log = logging.getLogger("tide.trainers")
 
@@ -45,11 +46,18 @@ class OnlineConfig:
     batch_size: int = 4  # new records per step; as many again come from the replay buffer
     replay_size: int = 2000  # examples kept for replay (and saved with the checkpoint)
     held_out_percent: int = HELD_OUT_PERCENT  # requests whose records only ever evaluate
-    held_out_size: int = 200
+    # the most recent held-out positions: after a shift the held-out set must follow the traffic soon
+    held_out_positions: int = 1536
     vocab_warmup_positions: int = 2048  # positions read before the draft vocabulary is refitted
-    checkpoint_every: int = 50  # steps
+    # the traffic moved away from the draft vocabulary: refit once the last `vocab_warmup_positions`
+    # completion tokens are covered less than this
+    refit_coverage: float = 0.8
+    checkpoint_every: int = 50  # steps on new records
     eval_every: int = 50  # steps
     publish_every: int = 500  # steps: publish even without improvement
+    min_gain: float = 0.005  # held-out tau gain over the last candidate that makes a new one
+    # no new record: train on the replay buffer instead of waiting (a trainer's hardware is there to train)
+    replay_when_idle: bool = True
     poll_records: int = 64
     train: TrainConfig | None = None
 
@@ -60,6 +68,16 @@ class Candidate:
     version: str
     metrics: Metrics
     ledger: Ledger
+    gain: float  # held-out tau over the previous candidate's (or the start draft's), same examples
+
+
+def keep_recent(examples: list[Example], positions: int) -> list[Example]:
+    """The newest examples holding at most `positions` positions (always the newest one)."""
+    total, i = 0, len(examples)
+    while i > 0 and (total + len(examples[i - 1].tokens) <= positions or i == len(examples)):
+        total += len(examples[i - 1].tokens)
+        i -= 1
+    return examples[i:]
 
 
 def example_of(r: HiddenStateRecord, lm_head: torch.Tensor | None) -> Example | None:
@@ -134,7 +152,11 @@ class OnlineTrainer:
         self.trainer.steps = self.ledger.steps
         self.consumer = RecordConsumer(cfg.bootstrap, [cfg.workload], self.group, head.fingerprint)
         self._waiting: list[Example] = []  # read before the vocabulary was refitted
-        self._last_checkpoint = self.ledger.steps
+        self._recent: list[Example] = []  # the last fresh examples: the draft vocabulary's coverage
+        self.published = copy.deepcopy(self.draft).eval()  # what the last candidate was, to compare with
+        self.refits = 0
+        self._since_refit = 0  # positions read since the vocabulary was last refitted
+        self._fresh_steps = 0  # steps on new records since the last checkpoint
         self._last_publish = self.ledger.steps
         self._last_eval = self.ledger.steps
         log.info(
@@ -153,14 +175,17 @@ class OnlineTrainer:
         """Train until `max_steps`, until no record arrived for `idle_seconds`, or until `stop` is set."""
         idle_since = time.monotonic()
         while not (stop and stop.is_set()) and not (max_steps and self.ledger.steps >= max_steps):
-            fresh = self._read()
+            replaying = self.cfg.replay_when_idle and self.vocab_fitted and bool(self.replay)
+            fresh = self._read(0.05 if replaying else 1.0)
             if fresh is None:
                 if idle_seconds is not None and time.monotonic() - idle_since > idle_seconds:
                     break
+                if replaying:
+                    self._replay_step()
                 continue
             idle_since = time.monotonic()
             self._train(fresh)
-            if self.ledger.steps - self._last_checkpoint >= self.cfg.checkpoint_every:
+            if self._fresh_steps >= self.cfg.checkpoint_every:
                 self.checkpoint()
         self._train([], force=True)
         if self.ledger.steps > self._last_eval:
@@ -168,9 +193,9 @@ class OnlineTrainer:
         self.checkpoint()
         return self.ledger
 
-    def _read(self) -> list[Example] | None:
+    def _read(self, timeout: float) -> list[Example] | None:
         """New examples from the next poll ([] when all were duplicates or held out; None when idle)."""
-        consumed = self.consumer.poll(self.cfg.poll_records, 1.0)
+        consumed = self.consumer.poll(self.cfg.poll_records, timeout)
         self.ledger.skipped = self.consumer.stats.skipped
         if not consumed:
             return None
@@ -190,7 +215,7 @@ class OnlineTrainer:
             if ex is None:
                 continue
             if held:
-                self.held_out = [*self.held_out, ex][-self.cfg.held_out_size :]
+                self.held_out = keep_recent([*self.held_out, ex], self.cfg.held_out_positions)
             else:
                 fresh.append(ex)
         return fresh
@@ -201,21 +226,50 @@ class OnlineTrainer:
             warm = sum(len(e.aux) for e in self._waiting) >= self.cfg.vocab_warmup_positions
             if not self._waiting or not (warm or force):
                 return
-            ids = select_vocab(self._waiting, self.draft.cfg.draft_vocab_size, self.head.config.vocab_size)
-            refit_vocab(self.draft, ids, self.head.lm_head)
-            self.trainer = self._new_trainer()
-            self.trainer.steps = self.ledger.steps
+            self._refit(self._waiting)
             self.vocab_fitted = True
             fresh, self._waiting = self._waiting, []
+        self._recent = keep_recent(self._recent + fresh, self.cfg.vocab_warmup_positions)
+        self._since_refit += sum(len(ex.tokens) for ex in fresh)
+        if self._vocab_stale():
+            self._refit(self._recent, self.replay)
         n = self.cfg.batch_size
         for i in range(0, len(fresh), n):
             new = fresh[i : i + n]
             old = random.sample(self.replay, min(len(new), len(self.replay)))
-            self._losses.append(self.trainer.step(new + old))
-            self.ledger.steps = self.trainer.steps
-            if self.ledger.steps % self.cfg.eval_every == 0:
-                self._evaluate()
+            self._step(new + old)
+            self._fresh_steps += 1
         self.replay = (self.replay + fresh)[-self.cfg.replay_size :]
+
+    def _replay_step(self) -> None:
+        self._step(random.sample(self.replay, min(2 * self.cfg.batch_size, len(self.replay))))
+
+    def _step(self, examples: list[Example]) -> None:
+        self._losses.append(self.trainer.step(examples))
+        self.ledger.steps = self.trainer.steps
+        if self.ledger.steps % self.cfg.eval_every == 0:
+            self._evaluate()
+
+    def _vocab_stale(self) -> bool:
+        """Has the traffic moved off the draft vocabulary (a shift the trainer sees in the tokens)?"""
+        tokens = torch.cat(
+            [ex.tokens[ex.learn_from :] for ex in self._recent] or [torch.zeros(0, dtype=torch.long)]
+        )
+        if (
+            len(tokens) < self.cfg.vocab_warmup_positions // 2
+            or self._since_refit < self.cfg.vocab_warmup_positions
+        ):
+            return False
+        return float(self.draft.t2d[tokens].float().mean()) < self.cfg.refit_coverage
+
+    def _refit(self, examples: list[Example], fill: list[Example] | None = None) -> None:
+        ids = select_vocab(examples, self.draft.cfg.draft_vocab_size, self.head.config.vocab_size, fill)
+        refit_vocab(self.draft, ids, self.head.lm_head)
+        self.trainer = self._new_trainer()
+        self.trainer.steps = self.ledger.steps
+        self.refits += 1
+        self._since_refit = 0
+        log.info("draft vocabulary refitted to the last %d examples (refit %d)", len(examples), self.refits)
 
     def _evaluate(self) -> None:
         if not self.held_out:
@@ -230,26 +284,29 @@ class OnlineTrainer:
                  "records": float(self.ledger.records), "redeliveries": float(self.ledger.redeliveries)},
             )  # fmt: skip
         self._losses = []
-        improved = m.tau[-1] > self.ledger.best_tau
-        if improved or self.ledger.steps - self._last_publish >= self.cfg.publish_every:
-            self.ledger.best_tau = max(self.ledger.best_tau, m.tau[-1])
-            self._publish(m)
+        # the held-out set follows the traffic, so the last candidate is measured again on the same examples
+        before = evaluate(self.published, self.lm_head, self.held_out, self.trainer.cfg).tau[-1]
+        gain = m.tau[-1] / before - 1.0
+        if gain > self.cfg.min_gain or self.ledger.steps - self._last_publish >= self.cfg.publish_every:
+            self.ledger.best_tau = m.tau[-1]
+            self._publish(m, gain)
 
-    def _publish(self, m: Metrics) -> None:
+    def _publish(self, m: Metrics, gain: float) -> None:
         self.ledger.candidates += 1
         version = f"{self.cfg.workload}-s{self.ledger.steps}-{time.strftime('%Y%m%d%H%M%S')}"
         folder = self.cfg.state_dir / "candidates" / version
         self.draft.cfg.version = version
         self.draft.save(folder)
+        self.published = copy.deepcopy(self.draft).eval()
         self._last_publish = self.ledger.steps
         if self.publish is not None:
-            self.publish(Candidate(folder, version, m, self.ledger))
+            self.publish(Candidate(folder, version, m, self.ledger, gain))
 
     def checkpoint(self) -> None:
         """Make the training so far durable, then commit the offsets it covers."""
         self._train([], force=True)  # records read but held back for the vocabulary are trained first
         save_checkpoint(self.ckpt_dir, self.ledger, self.draft, self.trainer.opt, self.replay, self.held_out)
-        self._last_checkpoint = self.ledger.steps
+        self._fresh_steps = 0
         self.consumer.commit_offsets(self.ledger.offsets)
 
     def close(self) -> None:

@@ -65,18 +65,21 @@ class Metrics:
     tau: list[float]  # simulated tokens per target step for gamma = 1..ttt_steps (greedy chain)
 
 
-def select_vocab(examples: list[Example], size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` most frequent target tokens (completion tokens first), padded with the lowest unused ids."""
-    counts: Counter[int] = Counter()
-    for ex in examples:
-        counts.update(ex.tokens[ex.learn_from :].tolist())
-    ranked = [t for t, _ in counts.most_common(size)]
-    if len(ranked) < size:
-        counts_all: Counter[int] = Counter()
-        for ex in examples:
-            counts_all.update(ex.tokens.tolist())
+def select_vocab(
+    examples: list[Example], size: int, vocab_size: int, fill: list[Example] | None = None
+) -> torch.Tensor:
+    """The `size` most frequent target tokens: of the examples' completions, then of the whole
+    examples, then of `fill` (older traffic, so a workload that comes back keeps some of its
+    words), then the lowest unused ids."""
+    ranked: list[int] = []
+    for source, completions in ((examples, True), (examples, False), (fill or [], False)):
+        if len(ranked) >= size:
+            break
+        counts: Counter[int] = Counter()
+        for ex in source:
+            counts.update((ex.tokens[ex.learn_from :] if completions else ex.tokens).tolist())
         seen = set(ranked)
-        ranked += [t for t, _ in counts_all.most_common() if t not in seen][: size - len(ranked)]
+        ranked += [t for t, _ in counts.most_common() if t not in seen][: size - len(ranked)]
     if len(ranked) < size:
         seen = set(ranked)
         ranked += [t for t in range(vocab_size) if t not in seen][: size - len(ranked)]

@@ -49,7 +49,7 @@ class ShiftBenchConfig:
     phase_seconds: float = 600.0
     slot_seconds: float = 4.0  # each system serves this long in turn
     window_seconds: float = 30.0
-    max_batch: int = 4
+    max_batch: int = 1
     max_new_tokens: int = 96
     static_gamma: int = 3
     model: str | None = None
@@ -111,7 +111,9 @@ def run_shift_bench(cfg: ShiftBenchConfig) -> dict[str, Any]:
     serving_cores = set(range(max(1, ncpu - 1)))
     training_cores = {ncpu - 1}
     work = cfg.work_dir or Path(tempfile.mkdtemp(prefix="tide-shift-"))
-    # the broker and the registry start before this process pins itself: they are not pinned with it
+    # the broker and the registry live on the training side (they inherit the affinity they start
+    # with): what they do for TIDE's capture must not land on the cores the three systems share
+    _pin(training_cores)
     with KafkaBroker(work / "kafka") as kafka, MlflowServer(work / "mlflow") as mlflow:
         _pin(serving_cores)
         torch.set_num_threads(len(serving_cores))
@@ -172,7 +174,7 @@ def _run(
                                     preexec_fn=lambda: _pin(training_cores))  # fmt: skip
 
     trainer = spawn(["train", "--kafka", kafka.bootstrap, "--workload", WORKLOAD, "--mlflow", mlflow.url,
-                     "--state-dir", str(work / "trainer"), "--eval-every", "20", "--checkpoint-every", "40",
+                     "--state-dir", str(work / "trainer"), "--eval-every", "50", "--checkpoint-every", "40",
                      "--vocab-warmup", "1024"], "trainer.log")  # fmt: skip
     gate = spawn(["gate", "--mlflow", mlflow.url, "--kafka", kafka.bootstrap, "--poll-seconds", "5",
                   "--min-positions", "256"], "gate.log")  # fmt: skip
@@ -192,6 +194,10 @@ def _run(
                 if following is not None and following.version != str(version):
                     version = following.version
                     events.append({"t": time.perf_counter() - t0, "promotion": version, "phase": phase})
+                recent = now - cfg.window_seconds
+                base = _tokens_per_s([x for x in nospec.slots if x.start >= recent])
+                bar.set_postfix_str(f"phase {phase} static {_tokens_per_s([x for x in static.slots if x.start >= recent]) / base:.2f}x "
+                                    f"tide {_tokens_per_s([x for x in tide.slots if x.start >= recent]) / base:.2f}x", refresh=False)  # fmt: skip
                 bar.update(int(time.perf_counter() - t0) - bar.n)
     finally:
         sync.stop()
