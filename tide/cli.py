@@ -378,6 +378,53 @@ def gate(
             g.close()
 
 
+@app.command("plan")
+def plan_cmd(
+    cluster_file: Path = typer.Option(..., "--cluster", help="GPU classes, their rates, the training demand"),
+    speedup: list[float] = typer.Option(
+        [], "--speedup", help="speculative speedup s the drafts reach (repeatable; default: the file's)"
+    ),
+    out: Path = typer.Option(Path("out/placement.yaml"), "--out", help="the placement per s"),
+    report: Path | None = typer.Option(None, "--report", help="JSON: placements and the shift replay"),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG: the shift replay at the first s"),
+    shift_at: float = typer.Option(1200.0, "--shift-at", help="replay: seconds until the workload shifts"),
+    static_after: float = typer.Option(0.8, "--static-after", help="replay: the static draft's s after it"),
+    adapt_work: float = typer.Option(2400.0, "--adapt-work", help="replay: training-unit seconds to relearn"),
+) -> None:
+    """Assign GPU classes to inference and training; replay a workload shift on the cluster."""
+    import yaml
+
+    from tide.infra.plan.cluster import Cluster
+    from tide.infra.plan.planner import placement_manifest, plan
+    from tide.infra.plan.simulate import Shift, plot_replay, replay
+
+    try:
+        cluster = Cluster.load(cluster_file)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise typer.BadParameter(str(e), param_hint="--cluster") from None
+    speedups = speedup or cluster.speedups
+    if not speedups:
+        raise typer.BadParameter(
+            "give --speedup or list speedups in the cluster file", param_hint="--speedup"
+        )
+    shift = Shift(shift_at=shift_at, static_after=static_after, adapt_work=adapt_work)
+    shift.seconds = 3 * shift_at
+    placements = [plan(cluster, s) for s in speedups]
+    manifests = [placement_manifest(p, cluster) for p in placements]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump({"placements": manifests}, sort_keys=False))
+    replays = [replay(cluster, p, shift) for p in placements]
+    for m in manifests:
+        typer.echo(f"s = {m['speedup']:.3f}: gain {m['gain_over_all_inference']:.3f}x. {m['explanation']}")
+    if report is not None:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        rows = [{**m, "replay": r.totals()} for m, r in zip(manifests, replays, strict=True)]
+        report.write_text(json.dumps({"cluster": str(cluster_file), "placements": rows}, indent=2))
+    if plot is not None:
+        plot_replay(replays[0], shift, plot)
+    typer.echo(f"placement: {out}")
+
+
 @bench_app.command("spec")
 def bench_spec(
     prompts: Path = typer.Option(..., "--prompts"),

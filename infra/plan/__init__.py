@@ -1,0 +1,1 @@
+"""Heterogeneous placement: which GPU classes serve and which train (`tide plan`)."""

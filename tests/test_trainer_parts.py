@@ -1,0 +1,32 @@
+"""The online trainer's pure parts: the recency window of held-out examples and the draft
+vocabulary picked after a shift."""
+
+from __future__ import annotations
+
+import torch
+
+from tide.trainers.online import keep_recent
+from tide.trainers.ttt import Example, select_vocab
+
+
+def _example(tokens: list[int], learn_from: int = 0) -> Example:
+    n = len(tokens)
+    return Example.make(torch.tensor(tokens), torch.zeros(n, 6), torch.zeros(n, 2), None, learn_from)
+
+
+def test_keep_recent_keeps_the_newest_positions() -> None:
+    examples = [_example([i] * 10) for i in range(5)]
+    kept = keep_recent(examples, 25)
+    assert [int(e.tokens[0]) for e in kept] == [3, 4]  # 20 positions; a third example would make 30
+    assert keep_recent(examples, 3) == examples[-1:]  # the newest one always stays
+    assert keep_recent([], 10) == []
+
+
+def test_vocabulary_after_a_shift_keeps_older_words_as_filler() -> None:
+    new = [_example([90, 91, 91, 92, 92, 92], learn_from=1)]  # token 90 is the prompt
+    old = [_example([5, 5, 5, 6, 6, 7])]
+    ids = select_vocab(new, 6, 100, fill=old).tolist()
+    # the new completions first, then the new prompt, then the old traffic by frequency
+    assert ids == sorted([92, 91, 90, 5, 6, 7])
+    assert select_vocab(new, 4, 100, fill=old).tolist() == sorted([92, 91, 90, 5])
+    assert select_vocab(new, 5, 100).tolist() == [0, 1, 90, 91, 92]  # no filler: lowest unused ids
