@@ -30,3 +30,15 @@ def test_vocabulary_after_a_shift_keeps_older_words_as_filler() -> None:
     assert ids == sorted([92, 91, 90, 5, 6, 7])
     assert select_vocab(new, 4, 100, fill=old).tolist() == sorted([92, 91, 90, 5])
     assert select_vocab(new, 5, 100).tolist() == [0, 1, 90, 91, 92]  # no filler: lowest unused ids
+    # then the draft's own vocabulary before any unused id: a few positions do not name a whole vocabulary
+    assert select_vocab(new, 5, 100, keep=torch.tensor([40, 41, 91])).tolist() == [40, 41, 90, 91, 92]
+
+
+def test_shift_bench_repeats_keep_their_prompts_split() -> None:
+    from tide.bench.shift import request_id
+    from tide.registry.store import is_held_out
+
+    ids = [request_id("code.jsonl", i, 10) for i in range(50)]
+    assert len(set(ids)) == 50
+    for i in range(10, 50):  # a prompt that comes again is held out exactly when its first request was
+        assert is_held_out(ids[i]) == is_held_out(ids[i % 10])

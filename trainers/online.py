@@ -226,7 +226,8 @@ class OnlineTrainer:
             warm = sum(len(e.aux) for e in self._waiting) >= self.cfg.vocab_warmup_positions
             if not self._waiting or not (warm or force):
                 return
-            self._refit(self._waiting)
+            if self._coverage(self._waiting) < self.cfg.refit_coverage:
+                self._refit(self._waiting)
             self.vocab_fitted = True
             fresh, self._waiting = self._waiting, []
         self._recent = keep_recent(self._recent + fresh, self.cfg.vocab_warmup_positions)
@@ -250,20 +251,31 @@ class OnlineTrainer:
         if self.ledger.steps % self.cfg.eval_every == 0:
             self._evaluate()
 
+    def _coverage(self, examples: list[Example]) -> float:
+        """The share of these completion tokens the draft vocabulary can say."""
+        tokens = torch.cat(
+            [ex.tokens[ex.learn_from :] for ex in examples] or [torch.zeros(0, dtype=torch.long)]
+        )
+        return float(self.draft.t2d[tokens].float().mean()) if len(tokens) else 1.0
+
     def _vocab_stale(self) -> bool:
         """Has the traffic moved off the draft vocabulary (a shift the trainer sees in the tokens)?"""
-        tokens = torch.cat(
-            [ex.tokens[ex.learn_from :] for ex in self._recent] or [torch.zeros(0, dtype=torch.long)]
-        )
+        positions = sum(len(ex.tokens) - ex.learn_from for ex in self._recent)
         if (
-            len(tokens) < self.cfg.vocab_warmup_positions // 2
+            positions < self.cfg.vocab_warmup_positions // 2
             or self._since_refit < self.cfg.vocab_warmup_positions
         ):
             return False
-        return float(self.draft.t2d[tokens].float().mean()) < self.cfg.refit_coverage
+        return self._coverage(self._recent) < self.cfg.refit_coverage
 
     def _refit(self, examples: list[Example], fill: list[Example] | None = None) -> None:
-        ids = select_vocab(examples, self.draft.cfg.draft_vocab_size, self.head.config.vocab_size, fill)
+        ids = select_vocab(
+            examples,
+            self.draft.cfg.draft_vocab_size,
+            self.head.config.vocab_size,
+            fill,
+            self.draft.target_ids(),
+        )
         refit_vocab(self.draft, ids, self.head.lm_head)
         self.trainer = self._new_trainer()
         self.trainer.steps = self.ledger.steps

@@ -66,11 +66,16 @@ class Metrics:
 
 
 def select_vocab(
-    examples: list[Example], size: int, vocab_size: int, fill: list[Example] | None = None
+    examples: list[Example],
+    size: int,
+    vocab_size: int,
+    fill: list[Example] | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The `size` most frequent target tokens: of the examples' completions, then of the whole
     examples, then of `fill` (older traffic, so a workload that comes back keeps some of its
-    words), then the lowest unused ids."""
+    words), then the ids in `keep` (the vocabulary the draft had: a few thousand positions do not
+    name a whole vocabulary), then the lowest unused ids."""
     ranked: list[int] = []
     for source, completions in ((examples, True), (examples, False), (fill or [], False)):
         if len(ranked) >= size:
@@ -80,6 +85,9 @@ def select_vocab(
             counts.update((ex.tokens[ex.learn_from :] if completions else ex.tokens).tolist())
         seen = set(ranked)
         ranked += [t for t, _ in counts.most_common() if t not in seen][: size - len(ranked)]
+    if len(ranked) < size and keep is not None:
+        seen = set(ranked)
+        ranked += [t for t in keep.tolist() if t not in seen][: size - len(ranked)]
     if len(ranked) < size:
         seen = set(ranked)
         ranked += [t for t in range(vocab_size) if t not in seen][: size - len(ranked)]

@@ -13,12 +13,14 @@ workload only.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.prompts import load_prompts, split
-from tide.registry.store import CHAMPION, register_folder
+from tide.registry.store import CHAMPION, is_held_out, register_folder
 from tide.serving.capture import CapturePolicy, CaptureRule
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.draft_sync import DraftSync, SyncConfig
@@ -65,27 +67,43 @@ class Slot:
     emitted: int  # tokens those steps produced
 
 
+def request_id(workload: str, i: int, n: int) -> str:
+    """The i-th request of a workload of n prompts. A prompt that comes again keeps its first
+    request's held-out status: greedy decoding repeats its text, so a prompt the trainers learnt
+    from must never evaluate a draft, nor the other way round."""
+    first = f"{workload}-{i % n}"
+    if i < n:
+        return first
+    want = is_held_out(first)
+    return next(rid for j in itertools.count() if is_held_out(rid := f"{first}-again{i // n}.{j}") == want)
+
+
 @dataclass
 class System:
     name: str
     engine: Engine
     capture: CapturePolicy | None = None
-    cursor: dict[int, int] = field(default_factory=dict)  # next request of each phase
+    cursor: dict[str, int] = field(default_factory=dict)  # next request of each workload
+    started: Counter[int] = field(default_factory=Counter)  # requests started in each phase
     slots: list[Slot] = field(default_factory=list)
 
     def serve(
-        self, phase: int, prompts: list[list[int]], t0: float, seconds: float, params: SamplingParams
-    ) -> None:
+        self, phase: int, workload: str, prompts: list[list[int]], t0: float, seconds: float,
+        params: SamplingParams,
+    ) -> None:  # fmt: skip
         e = self.engine
         start = time.perf_counter()
         steps0, emitted0 = e.stats.steps, e.stats.emitted
         tokens = 0
         while time.perf_counter() - start < seconds:
             while len(e.running) + len(e.waiting) < e.cfg.max_batch:
-                i = self.cursor.get(phase, 0)
-                self.cursor[phase] = i + 1
+                # a workload that comes back goes on through its prompts where it stopped
+                i = self.cursor.get(workload, 0)
+                self.cursor[workload] = i + 1
+                self.started[phase] += 1
                 capture = self.capture.decide(WORKLOAD, False) if self.capture else False
-                e.add(prompts[i % len(prompts)], params, workload=WORKLOAD, capture=capture)
+                rid = request_id(workload, i, len(prompts))
+                e.add(prompts[i % len(prompts)], params, rid, workload=WORKLOAD, capture=capture)
             tokens += sum(len(o.new_tokens) for o in e.step())
         self.slots.append(Slot(start - t0, time.perf_counter() - start, tokens,
                                e.stats.steps - steps0, e.stats.emitted - emitted0))  # fmt: skip
@@ -118,10 +136,13 @@ def run_shift_bench(cfg: ShiftBenchConfig) -> dict[str, Any]:
         _pin(serving_cores)
         torch.set_num_threads(len(serving_cores))
         target = load_target(cfg.model, torch.bfloat16)
+        # the static draft learnt the first workload's training prompts: that workload serves its test
+        # prompts; the others serve all of theirs (no draft here has seen them)
         phases = [
-            [p.token_ids(target.tok)[-256:] for p in split(load_prompts(path), "test") or load_prompts(path)]
+            [p.token_ids(target.tok)[-256:]
+             for p in split(load_prompts(path), "test" if path == cfg.schedule[0] else "all") or load_prompts(path)]
             for path in cfg.schedule
-        ]
+        ]  # fmt: skip
         return _run(cfg, target, phases, work, kafka, mlflow, training_cores)
 
 
@@ -185,15 +206,16 @@ def _run(
     total = cfg.phase_seconds * len(phases)
     try:
         with tqdm(total=int(total), desc="bench shift", unit="s") as bar:
-            version = start.version
+            version, rollbacks = start.version, 0
             while (now := time.perf_counter() - t0) < total:
                 phase = int(now // cfg.phase_seconds)
                 for s in systems:
-                    s.serve(phase, phases[phase], t0, cfg.slot_seconds, params)
+                    s.serve(phase, str(cfg.schedule[phase]), phases[phase], t0, cfg.slot_seconds, params)
                 following = sync.following.get(WORKLOAD)
                 if following is not None and following.version != str(version):
-                    version = following.version
-                    events.append({"t": time.perf_counter() - t0, "promotion": version, "phase": phase})
+                    kind = "rollback" if sync.stats.rollbacks > rollbacks else "promotion"
+                    rollbacks, version = sync.stats.rollbacks, following.version
+                    events.append({"t": time.perf_counter() - t0, kind: version, "phase": phase})
                 recent = now - cfg.window_seconds
                 base = _tokens_per_s([x for x in nospec.slots if x.start >= recent])
                 bar.set_postfix_str(f"phase {phase} static {_tokens_per_s([x for x in static.slots if x.start >= recent]) / base:.2f}x "
@@ -205,7 +227,8 @@ def _run(
         for proc in (trainer, gate):
             proc.terminate()
             proc.wait(30)
-    return _report(cfg, systems, events, controller.snapshot(), publisher.stats.records_published)
+    return _report(cfg, systems, events, controller.snapshot(), publisher.stats.records_published,
+                   [len(ph) for ph in phases])  # fmt: skip
 
 
 def _report(
@@ -214,6 +237,7 @@ def _report(
     events: list[dict[str, Any]],
     controller: dict[str, Any],
     records: int,
+    prompts: list[int],
 ) -> dict[str, Any]:
     nospec, static, tide = systems
     windows: list[dict[str, Any]] = []
@@ -259,7 +283,10 @@ def _report(
             "tide_window_p10": ordered[int(0.1 * (len(ordered) - 1))] if ordered else None,
             "tide_last_window": ratios[-1] if ratios else None,
             "adapt_seconds": adapt,
-            "promotions": sum(1 for e in events if e["phase"] == p),
+            "promotions": sum(1 for e in events if e["phase"] == p and "promotion" in e),
+            "rollbacks": sum(1 for e in events if e["phase"] == p and "rollback" in e),
+            "workload_prompts": prompts[p],  # against tide_requests: how often prompts came again
+            "tide_requests": tide.started[p],
         })  # fmt: skip
     return {
         "config": {
@@ -304,9 +331,9 @@ def plot_shift_report(report: dict[str, Any], path: Path) -> None:
             ax.axvline(p * phase_s / 60, color="#bbb", ls="--", lw=1)
             ax.text(p * phase_s / 60, ax.get_ylim()[1], f" {ph['workload']}", va="top", fontsize=8)
         for e in report["events"]:
-            ax.axvline(e["t"] / 60, color="#2a7", ls=":", lw=1)
+            ax.axvline(e["t"] / 60, color="#2a7" if "promotion" in e else "#c33", ls=":", lw=1)
         ax.legend(loc="lower right", fontsize=8)
-    ax1.set_title("workload shift: promotions dotted")
+    ax1.set_title("workload shift: promotions dotted green, rollbacks red")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
