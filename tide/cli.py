@@ -265,7 +265,7 @@ def serve(
         "", "--workloads", help="workloads to follow from the start, e.g. 'code,fr'"
     ),
     node: str | None = typer.Option(
-        None, "--node", help="this node's name in registry tags (default: host:port)"
+        None, "--node", envvar="TIDE_NODE", help="this node's name in registry tags (default: host:port)"
     ),
     rollback_tolerance: float = typer.Option(
         0.25, "--rollback-tolerance", help="live tau may fall this fraction below the gate's prediction"
@@ -390,12 +390,17 @@ def plan_cmd(
     shift_at: float = typer.Option(1200.0, "--shift-at", help="replay: seconds until the workload shifts"),
     static_after: float = typer.Option(0.8, "--static-after", help="replay: the static draft's s after it"),
     adapt_work: float = typer.Option(2400.0, "--adapt-work", help="replay: training-unit seconds to relearn"),
+    kustomize: Path | None = typer.Option(
+        None, "--kustomize", help="write a kustomize overlay of infra/k8s/base for the first s here"
+    ),
 ) -> None:
     """Assign GPU classes to inference and training; replay a workload shift on the cluster."""
+    import os
+
     import yaml
 
     from tide.infra.plan.cluster import Cluster
-    from tide.infra.plan.planner import placement_manifest, plan
+    from tide.infra.plan.planner import kustomize_overlay, placement_manifest, plan
     from tide.infra.plan.simulate import Shift, plot_replay, replay
 
     try:
@@ -422,6 +427,14 @@ def plan_cmd(
         report.write_text(json.dumps({"cluster": str(cluster_file), "placements": rows}, indent=2))
     if plot is not None:
         plot_replay(replays[0], shift, plot)
+    if kustomize is not None:
+        kustomize.mkdir(parents=True, exist_ok=True)
+        base = os.path.relpath(
+            Path(__file__).resolve().parent.parent / "infra" / "k8s" / "base", kustomize.resolve()
+        )
+        for name, text in kustomize_overlay(placements[0], cluster, base).items():
+            (kustomize / name).write_text(text)
+        typer.echo(f"kustomize overlay: {kustomize}")
     typer.echo(f"placement: {out}")
 
 

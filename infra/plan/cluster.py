@@ -16,6 +16,7 @@ class GpuClass:
     inference: float  # tokens/s one GPU serves without speculation (any unit all classes share)
     training: float  # draft-training samples/s of one GPU (any unit all classes share)
     labels: dict[str, str] = field(default_factory=dict)  # Kubernetes node labels that select this class
+    resource: str = "nvidia.com/gpu"  # the extended resource its GPUs are requested by
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Cluster:
                     float(c["inference"]),
                     float(c["training"]),
                     {str(k): str(v) for k, v in (c.get("labels") or {}).items()},
+                    str(c.get("resource", "nvidia.com/gpu")),
                 )
                 for c in d["classes"]
             ]

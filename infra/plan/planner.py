@@ -12,6 +12,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import yaml
+
 from tide.infra.plan.cluster import Cluster
 
 MAX_SPLITS = 1_000_000  # placements tried; larger clusters need a smarter search than enumeration
@@ -98,3 +100,35 @@ def placement_manifest(p: Placement, cluster: Cluster) -> dict[str, object]:
         "training": role(p.training),
         "explanation": p.explain(),
     }
+
+
+def kustomize_overlay(p: Placement, cluster: Cluster, base: str) -> dict[str, str]:
+    """Files of a kustomize overlay over `base` that puts serving and training where `p` says: the
+    serving replicas, each role's node labels and GPU resource (one GPU class per role: the largest
+    share)."""
+    by_name = {c.name: c for c in cluster.classes}
+
+    def patch(name: str, container: str | None, counts: dict[str, int], replicas: bool) -> dict[str, object]:
+        cls = by_name[max(counts, key=counts.__getitem__)]
+        pod: dict[str, object] = {"nodeSelector": {"tide.dev/gpu-pool": None, **cls.labels}}
+        if container is not None:  # a strategic merge: the base's nvidia.com/gpu goes when the class differs
+            limits = {cls.resource: 1} | (
+                {"nvidia.com/gpu": None} if cls.resource != "nvidia.com/gpu" else {}
+            )
+            pod["containers"] = [{"name": container, "resources": {"limits": limits}}]
+        spec: dict[str, object] = {"template": {"spec": pod}}
+        if replicas:
+            spec["replicas"] = sum(counts.values())
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name}, "spec": spec}
+
+    patches = [patch("tide-serving", "serving", p.serving, True)]
+    if p.speculate and any(p.training.values()):
+        patches += [patch("tide-trainer-default", "trainer", p.training, False),
+                    patch("tide-gate", None, p.training, False)]  # fmt: skip
+    files = {f"patch-{i}.yaml": yaml.safe_dump(x, sort_keys=False) for i, x in enumerate(patches)}
+    files["kustomization.yaml"] = yaml.safe_dump(
+        {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [base],
+         "patches": [{"path": f} for f in sorted(files)]},
+        sort_keys=False,
+    )  # fmt: skip
+    return files
