@@ -1,9 +1,12 @@
-# The two commands a fresh machine needs: `make serve` (the main job) and `make test`.
+# The two commands a fresh machine needs: `make up` (the main job: the local stack) and `make test`.
 VENV := .venv
 BIN := $(VENV)/bin
 PY ?= python3
 
-.PHONY: install serve test lint
+# root installs Debian packages itself; anyone else through sudo
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install up serve test lint deploy-check
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -17,11 +20,19 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 \
 		dill multiprocess xxhash loguru pydantic-settings python-dotenv
 	$(BIN)/pip install aiohttp
+	# the browser test drives Debian's Chromium through playwright (its own browser builds cannot be
+	# downloaded here)
+	command -v chromium > /dev/null || ($(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium)
 	touch $@
 
 install: $(BIN)/.installed
 
-# trains the default draft once (cached under ~/.cache/tide), then serves on 127.0.0.1:8000
+# the whole loop on this machine: Kafka, MLflow (UI on :5000), trainer, gate, serving on :8000
+up: install
+	$(BIN)/tide up
+
+# a serving node alone: trains the default draft once (cached under ~/.cache/tide), serves on :8000
 serve: install
 	$(BIN)/tide draft ensure-default
 	$(BIN)/tide serve --host 127.0.0.1 --port 8000
@@ -31,5 +42,9 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
+# docker compose config, kustomize build and kubeconform: what cannot run here, rendered and validated
+deploy-check: install
+	PY=$(BIN)/python scripts/check_deploy.sh
+
+test: lint deploy-check
 	$(BIN)/pytest -q --durations=15

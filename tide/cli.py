@@ -378,6 +378,91 @@ def gate(
             g.close()
 
 
+@app.command("up")
+def up(
+    data: Path | None = typer.Option(None, "--data", help="state, logs and data (default: <cache>/stack)"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port", help="the HTTP endpoint"),
+    mlflow_port: int = typer.Option(5000, "--mlflow-port", help="the MLflow UI"),
+    workloads: str = typer.Option(
+        "default", "--workloads", help="one trainer per workload, e.g. 'default,code'"
+    ),
+    s3: bool = typer.Option(False, "--s3", help="MLflow artifacts in a local S3 server (versitygw)"),
+    draft: Path | None = typer.Option(
+        None, "--draft", help="start from this draft (default: the default draft)"
+    ),
+    model: str | None = typer.Option(None, "--model"),
+) -> None:
+    """The whole loop on this machine: Kafka, MLflow, trainers, the gate and a serving node. Ctrl-C stops it."""
+    import signal
+
+    from tqdm import tqdm
+
+    from tide.config import cache_dir
+    from tide.infra.process import log_tail
+    from tide.serving.capture import check_workload
+    from tide.stack import Stack, StackConfig, StackError
+
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    for w in names:
+        try:
+            check_workload(w)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--workloads") from None
+    cfg = StackConfig(data or cache_dir() / "stack", host, port, mlflow_port, names, s3, draft, model)
+    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(cfg)
+
+    def interrupt(*_: object) -> None:  # a supervisor's SIGTERM unwinds like Ctrl-C: every part is stopped
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with tqdm(stack.steps(), desc="tide up", unit="part") as bar:
+            for step in bar:
+                bar.set_postfix_str(
+                    f"starting {step}" + (" (first time: trains for ~12 min)" if step == "draft" else "")
+                )
+                stack.start_step(step)
+        typer.echo(f"HTTP endpoint: {stack.endpoint}/v1  (OpenAI-compatible, model 'tide')")
+        typer.echo(f"MLflow UI:     {stack.registry}")
+        typer.echo(
+            f"logs:          {cfg.data_dir / 'logs'}   (`tide status` shows each part; Ctrl-C stops them all)"
+        )
+        dead = stack.watch()
+        typer.echo(f"error: {dead.name} exited; stopping the stack\n{log_tail(dead.log)}", err=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        typer.echo("stopping")
+    except StackError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        stack.stop()
+
+
+@app.command("status")
+def status_cmd(
+    data: Path | None = typer.Option(
+        None, "--data", help="the `tide up` data folder (default: <cache>/stack)"
+    ),
+) -> None:
+    """Each part of a `tide up` stack: health, consumer lag, the champion per workload."""
+    from tide.config import cache_dir
+    from tide.stack import status
+
+    state = (data or cache_dir() / "stack") / "stack.json"
+    if not state.exists():
+        typer.echo(f"error: no stack at {state.parent}: start one with `tide up`", err=True)
+        raise typer.Exit(2)
+    rows = status(state)
+    width = max(len(r["part"]) for r in rows)
+    for r in rows:
+        typer.echo(f"{r['part']:<{width}}  {r['state']:<4}  {r['detail']}")
+    if any(r["state"] == "down" for r in rows):
+        raise typer.Exit(1)
+
+
 @app.command("plan")
 def plan_cmd(
     cluster_file: Path = typer.Option(..., "--cluster", help="GPU classes, their rates, the training demand"),

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# What cannot run on a machine without a Docker engine or a cluster, rendered and validated instead:
+# `docker compose config` for every profile, `kustomize build` of the base and of each overlay, and
+# kubeconform over the result against the Kubernetes schemas (plus KEDA's ScaledObject).
+# The tools come from the Go module proxy and are built once into ~/.cache/tide/tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+TOOLS=${TIDE_TOOLS:-$HOME/.cache/tide/tools}
+K8S=v1.34.2 KEDA=v2.21.0 KUBECONFORM=v0.8.0 KUSTOMIZE=v5.8.2 COMPOSE=v5.6.0
+export GOBIN=$TOOLS/bin GOTOOLCHAIN=local
+mkdir -p "$GOBIN"
+
+build() {  # name module@version [binary built]
+    [ -x "$GOBIN/$1" ] && return
+    echo "building $1 from the Go module proxy (once)"
+    go install "$2"
+    [ "$1" = "${3:-$1}" ] || mv "$GOBIN/$3" "$GOBIN/$1"
+}
+build kubeconform "github.com/yannh/kubeconform/cmd/kubeconform@$KUBECONFORM"
+build kustomize "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE"
+build docker-compose "github.com/docker/compose/v5/cmd@$COMPOSE" cmd
+
+echo "== docker compose config"
+plugins=$(mktemp -d)
+mkdir -p "$plugins/cli-plugins" && ln -s "$GOBIN/docker-compose" "$plugins/cli-plugins/docker-compose"
+for profile in cpu gpu; do
+    if command -v docker > /dev/null; then
+        DOCKER_CONFIG=$plugins docker compose --profile "$profile" config --quiet
+    else
+        "$GOBIN/docker-compose" --profile "$profile" config --quiet
+    fi
+    echo "compose profile $profile: valid"
+done
+rm -rf "$plugins"
+
+echo "== kubeconform"
+schemas=$TOOLS/schemas-$K8S-keda-$KEDA
+if [ ! -d "$schemas" ]; then
+    k8s=$(go mod download -json "k8s.io/kubernetes@$K8S" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+    keda=$(go mod download -json "github.com/kedacore/keda/v2@$KEDA" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+    "$PY" scripts/k8s_schemas.py --swagger "$k8s/api/openapi-spec/swagger.json" \
+        --crd "$keda/config/crd/bases/keda.sh_scaledobjects.yaml" --out "$schemas.tmp"
+    mv "$schemas.tmp" "$schemas"
+fi
+for dir in infra/k8s/base infra/k8s/overlays/*/; do
+    "$GOBIN/kustomize" build "$dir" | "$GOBIN/kubeconform" -strict -summary \
+        -schema-location "$schemas/{{ .ResourceKind }}_{{ .Group }}_{{ .ResourceAPIVersion }}.json" -
+done

@@ -1,0 +1,283 @@
+"""`tide up`: the whole loop on one machine, nothing installed by hand; `tide status`: how it does.
+
+`tide up` starts a Kafka broker (Maven jars), an MLflow server (sqlite; artifacts in a folder, or in
+a local S3 server with `--s3`), the default draft (trained once, then cached), a trainer per
+workload, the gate and a serving node. Every part runs in its own process and session, so Ctrl-C
+reaches `tide up` alone, which stops them all, newest first. Where everything listens is written to
+`<data>/stack.json`, which `tide status` reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tide.infra.kafka.broker import KafkaBroker
+from tide.infra.mlflow.server import MlflowServer
+from tide.infra.process import LocalService, log_tail, stop_group
+from tide.infra.s3.server import S3Server
+
+
+@dataclass
+class StackConfig:
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mlflow_port: int = 5000
+    workloads: list[str] = field(default_factory=lambda: ["default"])  # one trainer each
+    s3: bool = False
+    draft: Path | None = None  # default: the default draft, trained once from the shipped workloads
+    model: str | None = None
+    serve_args: list[str] = field(default_factory=list)  # more `tide serve` options
+
+
+@dataclass
+class Part:
+    """A `tide` process of the stack."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def _tide() -> str:
+    return str(Path(sys.executable).parent / "tide")
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig):
+        self.cfg = cfg
+        self.services: list[LocalService] = []
+        self.parts: list[Part] = []
+        self.kafka: KafkaBroker | None = None
+        self.mlflow: MlflowServer | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    def steps(self) -> list[str]:
+        return ["kafka", *(["s3"] if self.cfg.s3 else []), "mlflow", "draft", "register", "trainer", "gate",
+                "serving"]  # fmt: skip
+
+    def start_step(self, step: str) -> None:
+        cfg, data = self.cfg, self.cfg.data_dir
+        if step == "kafka":
+            self.kafka = KafkaBroker(data / "kafka", heap="-Xmx384m -Xms64m").start()
+            self.services.append(self.kafka)
+        elif step == "s3":
+            self.services.append(S3Server(data / "s3").start())
+        elif step == "mlflow":
+            s3 = next((s for s in self.services if isinstance(s, S3Server)), None)
+            self.mlflow = MlflowServer(data / "mlflow", cfg.mlflow_port, s3=s3).start()
+            self.services.append(self.mlflow)
+        elif step == "draft" and cfg.draft is None:
+            self._run_once(["draft", "ensure-default", *self._model()], "draft.log")
+        elif step == "register":
+            self._register_start_draft()
+        elif step == "trainer":
+            for w in cfg.workloads:
+                draft = ["--start-draft", str(cfg.draft)] if cfg.draft else []
+                self._spawn(f"trainer:{w}", ["train", "--kafka", self.bootstrap, "--workload", w, "--mlflow",
+                                             self.registry, "--state-dir", str(data / "trainers" / w), *draft,
+                                             *self._model()])  # fmt: skip
+        elif step == "gate":
+            self._spawn(
+                "gate", ["gate", "--mlflow", self.registry, "--kafka", self.bootstrap, *self._model()]
+            )
+        elif step == "serving":
+            draft = ["--draft", str(cfg.draft)] if cfg.draft else []
+            self._spawn("serving", ["serve", "--host", cfg.host, "--port", str(cfg.port), "--gamma", "auto",
+                                    "--kafka", self.bootstrap, "--capture", "*=auto", "--registry", self.registry,
+                                    "--workloads", ",".join(cfg.workloads), *draft, *self._model(),
+                                    *cfg.serve_args])  # fmt: skip
+            self._wait_serving(600)
+        self._write_state()
+
+    def _register_start_draft(self) -> None:
+        """The draft the stack starts from is the `default` workload's first champion, so the registry
+        (and the MLflow UI) shows what serves from the first minute."""
+        from mlflow import MlflowClient
+
+        from tide.config import default_draft_dir
+        from tide.models.loader import load_head
+        from tide.registry.store import CHAMPION, alias_version, model_name, register_folder
+
+        fp = load_head(self.cfg.model).fingerprint
+        folder = self.cfg.draft or default_draft_dir(fp)
+        client = MlflowClient(self.registry)
+        if alias_version(client, model_name(fp, "default"), CHAMPION) is None:
+            mv = register_folder(client, fp, "default", folder, {"source": "tide up: the starting draft"})
+            client.set_registered_model_alias(mv.name, CHAMPION, mv.version)
+
+    @property
+    def bootstrap(self) -> str:
+        assert self.kafka is not None
+        return self.kafka.bootstrap
+
+    @property
+    def registry(self) -> str:
+        assert self.mlflow is not None
+        return self.mlflow.url
+
+    def _model(self) -> list[str]:
+        return ["--model", self.cfg.model] if self.cfg.model else []
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for s in self.services:
+            if isinstance(s, S3Server):
+                env |= s.env
+        return env
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = self.cfg.data_dir / "logs" / f"{name.replace(':', '-')}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            proc = subprocess.Popen([_tide(), *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    env=self._env(), start_new_session=True)  # fmt: skip
+        self.parts.append(Part(name, proc, log))
+
+    def _run_once(self, args: list[str], log_name: str) -> None:
+        log = self.cfg.data_dir / "logs" / log_name
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            rc = subprocess.run([_tide(), *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=self._env(), check=False).returncode  # fmt: skip
+        if rc != 0:
+            raise StackError(f"`tide {' '.join(args)}` failed ({rc}):\n{log_tail(log)}")
+
+    def _wait_serving(self, timeout: float) -> None:
+        part = self.parts[-1]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if part.proc.poll() is not None:
+                raise StackError(f"the serving node exited:\n{log_tail(part.log)}")
+            try:
+                if httpx.get(f"{self.endpoint}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        raise StackError(f"the serving node did not answer within {timeout:.0f} s:\n{log_tail(part.log)}")
+
+    def _write_state(self) -> None:
+        state = {
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.cfg).items()},
+            "endpoint": self.endpoint,
+            "mlflow": self.mlflow.url if self.mlflow else None,
+            "kafka": self.kafka.bootstrap if self.kafka else None,
+            "processes": {p.name: {"pid": p.proc.pid, "log": str(p.log)} for p in self.parts},
+        }
+        (self.cfg.data_dir / "stack.json").write_text(json.dumps(state, indent=2))
+
+    def watch(self, poll: float = 1.0) -> Part:
+        """Block until a part exits; return it."""
+        while True:
+            for p in self.parts:
+                if p.proc.poll() is not None:
+                    return p
+            time.sleep(poll)
+
+    def stop(self) -> None:
+        for p in reversed(self.parts):
+            stop_group(p.proc, 30)
+        self.parts = []
+        for s in reversed(self.services):
+            s.stop()
+        self.services = []
+
+
+# -- tide status -------------------------------------------------------------------------------------
+def _lag(bootstrap: str, group: str, topic: str) -> int | None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        meta = c.list_topics(topic, timeout=5).topics.get(topic)
+        if meta is None or meta.error is not None:
+            return None
+        tps = [TopicPartition(topic, p) for p in meta.partitions]
+        lag = 0
+        for tp in c.committed(tps, timeout=5):
+            low, high = c.get_watermark_offsets(tp, timeout=5)
+            lag += high - (tp.offset if tp.offset >= 0 else low)
+        return lag
+    finally:
+        c.close()
+
+
+def status(state_file: Path) -> list[dict[str, Any]]:
+    """One row per part: its health and what it knows (draft, consumer lag, champions)."""
+    state = json.loads(state_file.read_text())
+    rows: list[dict[str, Any]] = []
+    try:
+        h = httpx.get(f"{state['endpoint']}/health", timeout=3).json()
+        rows.append({"part": "serving", "state": "up", "detail": f"{state['endpoint']}  draft {h.get('draft')}  "
+                     f"gamma {h.get('gamma')}  running {h.get('running')}  waiting {h.get('waiting')}"})  # fmt: skip
+    except (httpx.HTTPError, ValueError) as e:
+        rows.append({"part": "serving", "state": "down", "detail": str(e)})
+    mlflow_up = False
+    with contextlib.suppress(httpx.HTTPError):
+        mlflow_up = httpx.get(f"{state['mlflow']}/health", timeout=3).status_code == 200
+    rows.append({"part": "mlflow", "state": "up" if mlflow_up else "down", "detail": f"UI {state['mlflow']}"})
+    workloads = state["config"]["workloads"]
+    try:
+        lags = {w: _lag(state["kafka"], f"tide-trainer.{w}", f"tide.hidden.{w}") for w in workloads}
+        rows.append({"part": "kafka", "state": "up", "detail": state["kafka"]})
+    except Exception as e:  # a broker that is away: no lag to show
+        lags = {}
+        rows.append({"part": "kafka", "state": "down", "detail": str(e)})
+    for name, p in state["processes"].items():
+        if name == "serving":
+            continue
+        alive = _alive(int(p["pid"]))
+        detail = f"log {p['log']}"
+        if name.startswith("trainer:"):
+            lag = lags.get(name.split(":", 1)[1])
+            detail = f"consumer lag {lag if lag is not None else 'n/a (no records yet)'}  {detail}"
+        rows.append({"part": name, "state": "up" if alive else "down", "detail": detail})
+    if mlflow_up:
+        rows += _champions(state["mlflow"])
+    return rows
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _champions(url: str) -> list[dict[str, Any]]:
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(url)
+    rows = []
+    for rm in client.search_registered_models("name LIKE 'tide-draft-%'"):
+        workload = (rm.tags or {}).get("workload", rm.name)
+        try:
+            mv = client.get_model_version_by_alias(rm.name, "champion")
+            tags = mv.tags or {}
+            detail = f"{rm.name} v{mv.version}  gate score {tags.get('gate.score', 'n/a')}"
+        except MlflowException:
+            detail = f"{rm.name}: no champion yet"
+        rows.append({"part": f"champion:{workload}", "state": "", "detail": detail})
+    return rows
