@@ -60,7 +60,7 @@ class GateConfig:
     min_positions: int = 256  # held-out positions needed before any decision
     # the most recent held-out positions per workload: after a shift they must soon be the new traffic
     held_out_positions: int = 1536
-    recall: int = 3  # earlier champions weighed against each candidate (a workload that comes back)
+    recall: int = 8  # earlier champions weighed against each candidate (a workload that comes back)
 
 
 @dataclass

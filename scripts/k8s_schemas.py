@@ -53,6 +53,10 @@ def _write(out: Path, kind: str, group: str, version: str, schema: dict[str, Any
 
 def from_swagger(path: Path, out: Path) -> int:
     defs = json.loads(path.read_text())["definitions"]
+    # quantities are strings in the spec, but the API (and kubectl) take numbers too: `nvidia.com/gpu: 1`
+    quantity = "io.k8s.apimachinery.pkg.api.resource.Quantity"
+    defs[quantity] = {**defs[quantity], "oneOf": [{"type": "string"}, {"type": "number"}]}
+    defs[quantity].pop("type", None)
     n = 0
     for name, d in defs.items():
         for gvk in d.get("x-kubernetes-group-version-kind", []):

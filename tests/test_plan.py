@@ -69,3 +69,18 @@ def test_cli_writes_placement_report_and_plot(tmp_path: Path) -> None:
     bad.write_text("classes: [{name: a}]\n")
     res = CliRunner().invoke(app, ["plan", "--cluster", str(bad)])
     assert res.exit_code == 2 and "bad cluster description" in res.output
+
+
+def test_committed_paper_overlay_is_what_the_planner_writes(tmp_path: Path) -> None:
+    overlay, fresh = PAPER.parent.parent / "k8s" / "overlays" / "paper", tmp_path / "paper"
+    res = CliRunner().invoke(app, ["plan", "--cluster", str(PAPER), "--speedup", "1.3", "--out",
+                                   str(tmp_path / "p.yaml"), "--kustomize", str(fresh)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    for name in ("patch-0.yaml", "patch-1.yaml", "patch-2.yaml"):
+        assert (fresh / name).read_text() == (overlay / name).read_text(), name
+    written = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert written["resources"] == ["../../base"]
+    assert written["patches"] == yaml.safe_load((fresh / "kustomization.yaml").read_text())["patches"]
+    pod = yaml.safe_load((overlay / "patch-1.yaml").read_text())["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"tide.dev/gpu-pool": None, "tide.dev/gpu-class": "mi250"}
+    assert pod["containers"][0]["resources"]["limits"] == {"amd.com/gpu": 1, "nvidia.com/gpu": None}
