@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
 
 from tide.infra.process import free_port
 
@@ -68,11 +69,13 @@ def test_tide_up_serves_trains_gates_and_stops(trained_draft_dir: Path, tmp_path
         client = MlflowClient(ui)
         [model] = client.search_registered_models("name LIKE 'tide-draft-%-default'")
 
+        def evaluated(
+            v: ModelVersion,
+        ) -> bool:  # a trainer's candidate the gate measured, not the start draft
+            return (v.tags or {}).get("gate.decision") in ("promoted", "refused") and "gate.score" in v.tags
+
         def gated() -> bool:
-            return any(
-                "gate.decision" in (v.tags or {})
-                for v in client.search_model_versions(f"name = '{model.name}'")
-            )
+            return any(evaluated(v) for v in client.search_model_versions(f"name = '{model.name}'"))
 
         with ThreadPoolExecutor(4) as pool:  # more traffic while waiting: the gate needs held-out records
             deadline = time.monotonic() + 420
@@ -82,7 +85,7 @@ def test_tide_up_serves_trains_gates_and_stops(trained_draft_dir: Path, tmp_path
                 )
                 list(pool.map(lambda i: _chat(url, i), range(8)))
         versions = client.search_model_versions(f"name = '{model.name}'")
-        decided = next(v for v in versions if "gate.decision" in (v.tags or {}))
+        decided = next(v for v in versions if evaluated(v))
         champion = client.get_model_version_by_alias(model.name, "champion")
 
         status = subprocess.run([str(Path(sys.executable).parent / "tide"), "status", "--data", str(data)],
@@ -104,8 +107,9 @@ def test_tide_up_serves_trains_gates_and_stops(trained_draft_dir: Path, tmp_path
             page.get_by_text("champion").first.wait_for(timeout=60_000)
             page.screenshot(path=str(ARTIFACTS / "mlflow_model.png"), full_page=True)
             page.goto(f"{ui}/#/models/{model.name}/versions/{decided.version}")
-            page.get_by_text("gate.decision").first.wait_for(timeout=60_000)
-            page.get_by_text(decided.tags["gate.decision"]).first.wait_for(timeout=60_000)
+            for tag in ("gate.decision", "gate.reason", "gate.score", "gate.tau_gamma1", "gate.baseline"):
+                page.get_by_text(tag, exact=True).first.wait_for(timeout=60_000)
+            page.get_by_text(decided.tags["gate.decision"], exact=True).first.wait_for(timeout=60_000)
             page.screenshot(path=str(ARTIFACTS / "mlflow_version.png"), full_page=True)
             browser.close()
 
