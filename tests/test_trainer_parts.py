@@ -20,6 +20,9 @@ def test_keep_recent_keeps_the_newest_positions() -> None:
     assert [int(e.tokens[0]) for e in kept] == [3, 4]  # 20 positions; a third example would make 30
     assert keep_recent(examples, 3) == examples[-1:]  # the newest one always stays
     assert keep_recent([], 10) == []
+    # prompt positions are not counted: an evaluation only measures completions
+    prompted = [_example([i] * 10, learn_from=8) for i in range(5)]
+    assert len(keep_recent(prompted, 6)) == 3
 
 
 def test_vocabulary_after_a_shift_keeps_older_words_as_filler() -> None:

@@ -72,10 +72,14 @@ class Candidate:
 
 
 def keep_recent(examples: list[Example], positions: int) -> list[Example]:
-    """The newest examples holding at most `positions` positions (always the newest one)."""
+    """The newest examples holding at most `positions` learnable (completion) positions, the ones an
+    evaluation counts (always the newest example)."""
     total, i = 0, len(examples)
-    while i > 0 and (total + len(examples[i - 1].tokens) <= positions or i == len(examples)):
-        total += len(examples[i - 1].tokens)
+    while i > 0:
+        n = len(examples[i - 1].tokens) - examples[i - 1].learn_from
+        if total + n > positions and i < len(examples):
+            break
+        total += n
         i -= 1
     return examples[i:]
 
