@@ -8,10 +8,14 @@ import re
 import signal
 import socket
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
+
+import httpx
 
 
 def free_port() -> int:
@@ -30,6 +34,24 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return tail(path.read_text(errors="replace"), lines)
     except OSError:
         return f"(no log at {path})"
+
+
+def wait_http_ok(
+    url: str, proc: subprocess.Popen[bytes] | None, timeout: float, what: str, log: Callable[[], str],
+    error: type[Exception] = RuntimeError,
+) -> None:  # fmt: skip
+    """Poll `url` until it answers 200; `error` with the log's tail if `proc` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise error(f"{what} exited:\n{log()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise error(f"{what} did not answer within {timeout:.0f} s:\n{log()}")
 
 
 def stop_group(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:

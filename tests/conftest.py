@@ -13,13 +13,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
-from tide.infra.process import free_port
+from tide.infra.process import free_port, wait_http_ok
 from tide.infra.s3.server import S3Server
 from tide.models.eagle3 import DraftConfig, Eagle3Draft
 from tide.models.llama import LlamaConfig, LlamaModel
@@ -185,16 +184,7 @@ def serve_process(args: list[str], log: Path, env: dict[str, str] | None = None)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tide_process(["serve", "--port", str(port), *args], log, env) as proc:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"server exited:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"server did not come up:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_http_ok(f"{url}/health", proc, 300, "server", lambda: log.read_text()[-3000:], AssertionError)
         yield url
 
 

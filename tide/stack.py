@@ -23,7 +23,7 @@ import httpx
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
-from tide.infra.process import LocalService, log_tail, stop_group
+from tide.infra.process import LocalService, log_tail, stop_group, wait_http_ok
 from tide.infra.s3.server import S3Server
 
 
@@ -162,17 +162,8 @@ class Stack:
 
     def _wait_serving(self, timeout: float) -> None:
         part = self.parts[-1]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if part.proc.poll() is not None:
-                raise StackError(f"the serving node exited:\n{log_tail(part.log)}")
-            try:
-                if httpx.get(f"{self.endpoint}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(1.0)
-        raise StackError(f"the serving node did not answer within {timeout:.0f} s:\n{log_tail(part.log)}")
+        wait_http_ok(f"{self.endpoint}/health", part.proc, timeout, "the serving node", lambda: log_tail(part.log),
+                     StackError)  # fmt: skip
 
     def _write_state(self) -> None:
         state = {

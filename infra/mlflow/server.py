@@ -15,9 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from tide.infra.process import LocalService, free_port
+from tide.infra.process import LocalService, free_port, wait_http_ok
 from tide.infra.s3.server import S3Server
 
 
@@ -75,17 +73,9 @@ class MlflowServer(LocalService):
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise MlflowServerError(f"mlflow server exited:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise MlflowServerError(f"mlflow server did not answer within {timeout:.0f} s:\n{self.log_tail()}")
+        wait_http_ok(
+            f"{self.url}/health", self.process, timeout, "mlflow server", self.log_tail, MlflowServerError
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
