@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,7 +197,7 @@ class Gate:
         examples: list[Example],
         positions: int,
         profile: StepProfile | None,
-        alumni: list[ModelVersion] = [],  # noqa: B006 (never mutated)
+        alumni: Sequence[ModelVersion] = (),
     ) -> Decision:
         gamma = self.cfg.gamma
         tags: dict[str, str] = {"gate.held_out_positions": str(positions), "gate.profile": _describe(profile)}
@@ -242,7 +243,7 @@ class Gate:
         self.client.set_registered_model_alias(rm.name, CHAMPION, mv.version)
 
     def _recall(
-        self, alumni: list[ModelVersion], examples: list[Example], profile: StepProfile | None, bar: float
+        self, alumni: Sequence[ModelVersion], examples: list[Example], profile: StepProfile | None, bar: float
     ) -> tuple[ModelVersion, Evaluation] | None:
         """The best earlier champion above `bar` (the candidate's score and what promotion needs) on
         today's held-out traffic: a workload that comes back finds its draft again at once, instead

@@ -455,7 +455,11 @@ def status_cmd(
     if not state.exists():
         typer.echo(f"error: no stack at {state.parent}: start one with `tide up`", err=True)
         raise typer.Exit(2)
-    rows = status(state)
+    try:
+        rows = status(state)
+    except (ValueError, KeyError) as e:  # a stack.json that is not ours, or cut short
+        typer.echo(f"error: unreadable {state}: {e!r}", err=True)
+        raise typer.Exit(2) from None
     width = max(len(r["part"]) for r in rows)
     for r in rows:
         typer.echo(f"{r['part']:<{width}}  {r['state']:<4}  {r['detail']}")
@@ -497,8 +501,7 @@ def plan_cmd(
         raise typer.BadParameter(
             "give --speedup or list speedups in the cluster file", param_hint="--speedup"
         )
-    shift = Shift(shift_at=shift_at, static_after=static_after, adapt_work=adapt_work)
-    shift.seconds = 3 * shift_at
+    shift = Shift(seconds=3 * shift_at, shift_at=shift_at, static_after=static_after, adapt_work=adapt_work)
     placements = [plan(cluster, s) for s in speedups]
     manifests = [placement_manifest(p, cluster) for p in placements]
     out.parent.mkdir(parents=True, exist_ok=True)

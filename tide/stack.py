@@ -37,7 +37,6 @@ class StackConfig:
     s3: bool = False
     draft: Path | None = None  # default: the default draft, trained once from the shipped workloads
     model: str | None = None
-    serve_args: list[str] = field(default_factory=list)  # more `tide serve` options
 
 
 @dataclass
@@ -102,8 +101,7 @@ class Stack:
             draft = ["--draft", str(cfg.draft)] if cfg.draft else []
             self._spawn("serving", ["serve", "--host", cfg.host, "--port", str(cfg.port), "--gamma", "auto",
                                     "--kafka", self.bootstrap, "--capture", "*=auto", "--registry", self.registry,
-                                    "--workloads", ",".join(cfg.workloads), *draft, *self._model(),
-                                    *cfg.serve_args])  # fmt: skip
+                                    "--workloads", ",".join(cfg.workloads), *draft, *self._model()])  # fmt: skip
             self._wait_serving(600)
         self._write_state()
 

@@ -216,10 +216,10 @@ def _run(
                     kind = "rollback" if sync.stats.rollbacks > rollbacks else "promotion"
                     rollbacks, version = sync.stats.rollbacks, following.version
                     events.append({"t": time.perf_counter() - t0, kind: version, "phase": phase})
-                recent = now - cfg.window_seconds
-                base = _tokens_per_s([x for x in nospec.slots if x.start >= recent])
-                bar.set_postfix_str(f"phase {phase} static {_tokens_per_s([x for x in static.slots if x.start >= recent]) / base:.2f}x "
-                                    f"tide {_tokens_per_s([x for x in tide.slots if x.start >= recent]) / base:.2f}x", refresh=False)  # fmt: skip
+                recent = [[x for x in s.slots if x.start >= now - cfg.window_seconds] for s in systems]
+                base = _tokens_per_s(recent[0]) or 1.0  # nothing decoded yet: show zeros, not a crash
+                bar.set_postfix_str(f"phase {phase} static {_tokens_per_s(recent[1]) / base:.2f}x "
+                                    f"tide {_tokens_per_s(recent[2]) / base:.2f}x", refresh=False)  # fmt: skip
                 bar.update(int(time.perf_counter() - t0) - bar.n)
     finally:
         sync.stop()
