@@ -10,7 +10,10 @@ and beats the baseline by the margin; the old champion moves to `previous`. Ever
 its figures and reason as `gate.*` tags on the version.
 
 Held-out records are those of requests the trainers never learn from (`store.is_held_out`), read
-from the workload's topic from the start of its retention on every gate start (no commits).
+from the workload's topic from the start of its retention on every gate start (no commits); the
+gate judges on the last couple of minutes of them, so after a shift it judges the new traffic.
+Earlier champions are weighed against every candidate and, when new held-out traffic arrives
+without one, against the champion: a workload that comes back gets its old draft back at once.
 """
 
 from __future__ import annotations
@@ -59,9 +62,13 @@ class GateConfig:
     gamma: int = 4  # the serving gamma, used while no profile is known
     gamma_max: int = 4
     min_positions: int = 256  # held-out positions needed before any decision
-    # the most recent held-out positions per workload: after a shift they must soon be the new traffic
+    # held-out examples per workload: those of the last `held_out_seconds` (after a shift they must
+    # soon be the new traffic), at most `held_out_positions`, topped up to `min_positions` with older ones
     held_out_positions: int = 1536
+    held_out_seconds: float = 120.0
     recall: int = 8  # earlier champions weighed against each candidate (a workload that comes back)
+    # this many new held-out positions without a candidate: weigh the champion against earlier ones again
+    recheck_positions: int = 128
 
 
 @dataclass
@@ -102,11 +109,17 @@ def parse_profile(raw: str | None) -> StepProfile | None:
 class HeldOut:
     """A workload's most recent held-out examples, read from its topic."""
 
-    def __init__(self, bootstrap: str, workload: str, head: TargetHead, positions: int):
+    def __init__(self, cfg: GateConfig, workload: str, head: TargetHead):
+        self.cfg = cfg
         self.head = head
-        self.positions = positions
         self.examples: list[Example] = []
-        self.consumer = RecordConsumer(bootstrap, [workload], f"tide-gate.{workload}", head.fingerprint)
+        self.arrived = 0  # positions read so far
+        self.checked = 0  # `arrived` when the champion was last weighed against earlier ones
+        self.consumer = RecordConsumer(cfg.bootstrap, [workload], f"tide-gate.{workload}", head.fingerprint)
+
+    @property
+    def positions(self) -> int:
+        return sum(max(0, len(e.tokens) - e.learn_from) for e in self.examples)
 
     def drain(self, budget_s: float = 5.0) -> list[Example]:
         deadline = time.monotonic() + budget_s
@@ -120,7 +133,10 @@ class HeldOut:
                 ex = example_of(c.record, self.head.lm_head)
                 if ex is not None:
                     self.examples.append(ex)
-            self.examples = keep_recent(self.examples, self.positions)
+                    self.arrived += len(ex.tokens) - ex.learn_from
+        cfg = self.cfg
+        since = time.time() - cfg.held_out_seconds
+        self.examples = keep_recent(self.examples, cfg.held_out_positions, since, cfg.min_positions)
         return self.examples
 
     def close(self) -> None:
@@ -156,10 +172,11 @@ class Gate:
     def gate_model(self, rm: RegisteredModel, workload: str) -> list[Decision]:
         versions = self.client.search_model_versions(f"name = '{rm.name}'")
         undecided = sorted((v for v in versions if "gate.decision" not in (v.tags or {})), key=_number)
-        if not undecided:
-            return []
-        newest = undecided[-1]
         champion = alias_version(self.client, rm.name, CHAMPION)
+        held = self._held_out(workload)
+        if not undecided:
+            return self._recheck(rm, versions, champion, held)
+        newest = undecided[-1]
         if champion is not None and champion.version == newest.version:  # made champion by hand
             return [
                 self._record(v, "skipped", "made champion outside the gate", {})
@@ -171,21 +188,70 @@ class Gate:
             self._record(v, "skipped", f"superseded by version {newest.version} before it was gated", {})
             for v in undecided[:-1]
         ]
-        if workload not in self.held_out:
-            self.held_out[workload] = HeldOut(
-                self.cfg.bootstrap, workload, self.head, self.cfg.held_out_positions
-            )
-        examples = self.held_out[workload].drain()
-        positions = sum(max(0, len(e.tokens) - e.learn_from) for e in examples)
+        examples = held.examples
+        positions = held.positions
         if positions < self.cfg.min_positions:
             log.debug("%s: %d held-out positions, waiting for %d", rm.name, positions, self.cfg.min_positions)
             return decisions
+        held.checked = held.arrived
         profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
         alumni = _alumni(versions, champion, self.cfg.recall)
         return [
             *decisions,
             self._decide(rm, workload, newest, champion, examples, positions, profile, alumni),
         ]
+
+    def _held_out(self, workload: str) -> HeldOut:
+        """The workload's held-out examples, with what arrived since the last pass."""
+        if workload not in self.held_out:
+            self.held_out[workload] = HeldOut(self.cfg, workload, self.head)
+        held = self.held_out[workload]
+        held.drain()
+        return held
+
+    def _recheck(
+        self, rm: RegisteredModel, versions: list[ModelVersion], champion: ModelVersion | None, held: HeldOut
+    ) -> list[Decision]:
+        """No candidate, but new held-out traffic: does an earlier champion serve it better than the
+        champion (a workload that came back while its trainer had nothing new to publish)?"""
+        alumni = _alumni(versions, champion, self.cfg.recall)
+        fresh = held.arrived - held.checked >= self.cfg.recheck_positions
+        if champion is None or not alumni or not fresh or held.positions < self.cfg.min_positions:
+            return []
+        held.checked = held.arrived
+        profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
+        try:
+            now = self.evaluate(champion, held.examples, profile)
+        except (ArtifactRefused, DraftLoadError, DraftMismatchError, OSError) as e:
+            log.warning("champion %s v%s unusable for a recheck: %s", rm.name, champion.version, e)
+            return []
+        gamma = self.cfg.gamma
+        recalled = self._recall(alumni, held.examples, profile, now.score(gamma) * (1 + self.cfg.margin))
+        if recalled is None:
+            return []
+        mv, old = recalled
+        reason = (f"champion v{champion.version} scores {now.score(gamma):.3f} on the last "
+                  f"{held.positions} held-out positions, earlier champion v{mv.version} {old.score(gamma):.3f}")  # fmt: skip
+        tags = self._bring_back(rm, champion, mv, old, reason)
+        return [Decision(mv.name, str(mv.version), "recalled", reason, tags)]
+
+    def _bring_back(
+        self,
+        rm: RegisteredModel,
+        champion: ModelVersion | None,
+        mv: ModelVersion,
+        ev: Evaluation,
+        reason: str,
+    ) -> dict[str, str]:
+        """Make an earlier champion the champion again; its `gate.recall.*` tags say why."""
+        self._promote(rm, champion, mv)
+        tags = {
+            **_figures("gate.recall", ev, self.cfg.gamma),
+            "gate.recall.time": _now(),
+            "gate.recall.reason": reason,
+        }
+        set_tags(self.client, mv, tags)
+        return tags
 
     # -- a decision -----------------------------------------------------------------------------
     def _decide(
@@ -222,9 +288,7 @@ class Gate:
         if recalled is not None:
             mv, old = recalled
             reason = f"{unit} {score:.3f}, but earlier champion v{mv.version} has {old.score(gamma):.3f}"
-            self._promote(rm, champion, mv)
-            set_tags(self.client, mv, {**_figures("gate.recall", old, gamma), "gate.recall.time": _now(),
-                                       "gate.recall.reason": f"beat candidate v{cand.version}: {reason}"})  # fmt: skip
+            self._bring_back(rm, champion, mv, old, f"beat candidate v{cand.version}: {reason}")
             return self._record(cand, "refused", reason, tags)
         if score < minimum:
             return self._record(cand, "refused", f"{unit} {score:.3f} below the minimum {minimum:.3f}", tags)

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.serving.admin import admin_router
-from tide.serving.capture import CapturePolicy, check_workload
+from tide.serving.capture import CapturePolicy, TrainingAdvisor, check_workload
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.engine import Engine, EngineConfig, Sequence
@@ -236,12 +237,7 @@ def make_app(
     metrics = ServingMetrics(engine, publisher, sync, server.capture)
     controller = engine.controller
     if controller is not None:  # `auto` capture rules: capture while the workload needs training
-
-        def needs_training(workload: str) -> bool:
-            done = sync is not None and workload in sync.saturated
-            return controller.shifted(workload) or (not controller.pays(workload) and not done)
-
-        server.capture.advisor = needs_training
+        server.capture.advisor = TrainingAdvisor(controller, sync)
     loop = EngineLoop(engine, metrics, server.max_queue)
     tok = target.tok
 
@@ -326,9 +322,9 @@ def make_app(
         room = engine.cfg.max_model_len - len(prompt)
         max_tokens = req.requested_max_tokens() or max(1, min(server.default_max_tokens, room))
         try:
-            seq, queue = loop.submit(
-                prompt, req.sampling(max_tokens), workload, server.capture.decide(workload, opted_out)
-            )
+            rid = uuid.uuid4().hex[:24]
+            capture = server.capture.decide(workload, opted_out, rid)
+            seq, queue = loop.submit(prompt, req.sampling(max_tokens), workload, capture, rid)
         except QueueFull as e:
             metrics.rejected.labels("queue_full").inc()
             raise _BadRequest(429, f"server busy: {e}; retry later", kind="rate_limit_error") from None

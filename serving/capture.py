@@ -1,8 +1,10 @@
 """Which requests have their hidden states captured: a rule per workload, changeable at run time.
 
-A rule is on, off, a sampled fraction, or `auto`: then the node's advisor decides, capturing
-only while the workload needs training (its acceptance shifted, or its draft does not pay and
-training still improves it; see `controller.py` and `draft_sync.py`).
+A rule is on, off, a sampled fraction, or `auto`: then a `TrainingAdvisor` decides, capturing
+from when the workload needs training (its acceptance shifted, or its draft stopped paying) until
+its trainer's held-out tau stops improving. Held-out requests (`store.is_held_out`) are captured
+under `auto` all the time: they cost a tenth of full capture, and the gate needs today's traffic to
+judge drafts by (a workload that comes back is noticed there even when nothing here shifted).
 """
 
 from __future__ import annotations
@@ -10,8 +12,16 @@ from __future__ import annotations
 import random
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from tide.registry.store import is_held_out
+
+if TYPE_CHECKING:
+    from tide.serving.controller import Controller
+    from tide.serving.draft_sync import DraftSync
 
 # workload names become Kafka topic suffixes and metric labels: keep them short and plain
 WORKLOAD_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,47}$")
@@ -76,12 +86,14 @@ class CapturePolicy:
         with self._lock:
             self.rules[check_workload(workload)] = rule
 
-    def decide(self, workload: str, opted_out: bool) -> bool:
+    def decide(self, workload: str, opted_out: bool, request_id: str | None = None) -> bool:
         """Capture this request? The client's opt-out always wins."""
         if opted_out:
             return False
         r = self.rule(workload)
-        if r.auto and self.advisor is not None and not self.advisor(workload):
+        # not training: still the held-out share, so the gate judges today's traffic
+        held = request_id is not None and is_held_out(request_id)
+        if r.auto and self.advisor is not None and not held and not self.advisor(workload):
             return False
         with self._lock:
             return r.enabled and self._rng.random() < r.fraction
@@ -97,3 +109,34 @@ class CapturePolicy:
 
     def snapshot(self) -> dict[str, object]:
         return {"fallback": asdict(self.fallback), "workloads": {w: asdict(r) for w, r in self.rules.items()}}
+
+
+class TrainingAdvisor:
+    """Decides `auto` capture: a workload needs training from the moment its acceptance shifts or
+    its draft stops paying (the controller) until its trainer's candidates stop improving held-out
+    tau after that moment (the draft sync). Only a new such moment starts capture again, so a draft
+    that cannot be made to pay is not trained forever."""
+
+    def __init__(
+        self, controller: Controller, sync: DraftSync | None, clock: Callable[[], float] = time.time
+    ):
+        self.controller = controller
+        self.sync = sync
+        self.clock = clock  # the sync's clock: saturation times come from it
+        self.since: dict[str, float] = {}  # workloads that need training, since when
+        self._needed: dict[str, bool] = {}  # the last call's verdict on the controller's signals
+
+    def __call__(self, workload: str) -> bool:
+        c = self.controller
+        needed = c.shifted(workload) or not c.pays(workload)
+        if needed and not self._needed.get(workload, False):
+            self.since[workload] = self.clock()
+        self._needed[workload] = needed
+        since = self.since.get(workload)
+        if since is None:
+            return False
+        done = self.sync.saturated.get(workload) if self.sync is not None else None
+        if done is not None and done > since:
+            del self.since[workload]
+            return False
+        return True

@@ -10,8 +10,8 @@ while speculation is off), so the estimates stay current: speculation comes back
 pays, and a depth that looked bad once is tried again.
 
 The short average falling below the long one is the paper's shift detector: the workload's
-traffic changed under its draft. `wants_capture` turns capture (and so training) on then, or
-when the workload's draft does not pay.
+traffic changed under its draft. Then, or when the workload's draft stops paying, the
+`capture.TrainingAdvisor` turns capture (and so training) on.
 """
 
 from __future__ import annotations
@@ -34,13 +34,17 @@ PRIOR_WEIGHT = 8
 @dataclass
 class ControllerConfig:
     max_gamma: int = 6
-    short_steps: float = 64.0  # horizon of the short average, in drafted sequence-steps
+    # horizon of the short average, in drafted sequence-steps: about one request (acceptance varies
+    # from request to request; a shorter one sees shifts in single hard requests)
+    short_steps: float = 128.0
     long_steps: float = 1024.0
-    # while off: draft one token in this many steps; while on: one token deeper than chosen, so
-    # the acceptance of the next depth stays known
+    # while on: one step in this many drafts one token deeper than chosen, so the acceptance of the
+    # next depth stays known; while off, one step in `explore_off_every` drafts one token (each such
+    # step costs about an eighth of a plain one: the draft catches up on the steps it skipped)
     explore_every: int = 16
+    explore_off_every: int = 32
     min_gain: float = 1.02  # speculate only above this predicted speedup
-    shift_drop: float = 0.15  # short tau this far below long tau: the workload shifted
+    shift_drop: float = 0.3  # short tau - 1 this far below long tau - 1: the workload shifted
     cost_horizon: float = 32.0  # steps averaged into the measured/predicted step-time ratio
 
 
@@ -54,31 +58,30 @@ class Acceptance:
     """A workload's acceptance rate by draft depth, short and long averages."""
 
     max_gamma: int
-    short: torch.Tensor = field(init=False)
-    long: torch.Tensor = field(init=False)
-    seen: torch.Tensor = field(init=False)  # attempts observed at each depth
+    short: list[float] = field(init=False)
+    long: list[float] = field(init=False)
+    seen: list[int] = field(init=False)  # attempts observed at each depth
 
     def __post_init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.short = torch.full((self.max_gamma,), PRIOR_ALPHA, dtype=torch.float64)
-        self.long = self.short.clone()
-        self.seen = torch.zeros(self.max_gamma, dtype=torch.long)
+        self.short = [PRIOR_ALPHA] * self.max_gamma
+        self.long = [PRIOR_ALPHA] * self.max_gamma
+        self.seen = [0] * self.max_gamma
 
-    def update(self, accepted: torch.Tensor, gamma: int, short_h: float, long_h: float) -> None:
-        depth = torch.arange(gamma)
-        attempted = (accepted.unsqueeze(1) >= depth).sum(0)
-        kept = (accepted.unsqueeze(1) > depth).sum(0)
-        inherited = self.alphas("short"), self.alphas("long")
-        for d, (n, k) in enumerate(zip(attempted.tolist(), kept.tolist(), strict=True)):
+    def update(self, accepted: list[int], gamma: int, short_h: float, long_h: float) -> None:
+        """One step's accepted counts (one per sequence) at `gamma` drafted tokens. Plain Python
+        floats: at a handful of depths, tensor element writes cost more than the arithmetic."""
+        for d in range(gamma):
+            n = sum(1 for a in accepted if a >= d)  # sequences whose draft reached depth d
             if n == 0:
-                continue
-            if self.seen[d] == 0:  # a depth seen for the first time starts from the one above it
-                self.short[d], self.long[d] = inherited[0][d], inherited[1][d]
-            rate = k / n
+                break
+            if d > 0 and self.seen[d] == 0:  # a depth seen for the first time starts from the one above
+                self.short[d], self.long[d] = self.short[d - 1], self.long[d - 1]
+            rate = sum(1 for a in accepted if a > d) / n
             # a mean with the prior until the horizon is reached: the prior must not linger in the long average
-            first = n / (int(self.seen[d]) + n + PRIOR_WEIGHT)
+            first = n / (self.seen[d] + n + PRIOR_WEIGHT)
             self.short[d] += max(first, _ema_weight(short_h, n)) * (rate - self.short[d])
             self.long[d] += max(first, _ema_weight(long_h, n)) * (rate - self.long[d])
             self.seen[d] += n
@@ -88,7 +91,7 @@ class Acceptance:
         src = self.short if which == "short" else self.long
         out: list[float] = []
         for d in range(self.max_gamma):
-            out.append(float(src[d]) if self.seen[d] > 0 or d == 0 else out[-1])
+            out.append(src[d] if self.seen[d] > 0 or d == 0 else out[-1])
         return out
 
     def tau(self, gamma: int, which: str = "short") -> float:
@@ -189,7 +192,8 @@ class Controller:
         """The gamma of the next step for a batch of these workloads (one entry per sequence)."""
         d = self.best(workloads)
         self.steps += 1
-        if self.steps % self.cfg.explore_every == 0 and d.gamma < self.cfg.max_gamma:
+        every = self.cfg.explore_every if d.gamma > 0 else self.cfg.explore_off_every
+        if self.steps % every == 0 and d.gamma < self.cfg.max_gamma:
             d = Decision(d.gamma + 1, self.speedup(workloads, d.gamma + 1), explore=True)
         self.last = d
         return d
@@ -200,17 +204,17 @@ class Controller:
         self.batch_size = b
         self.costs.observe(b, gamma, seconds)
         plain = self.costs.step_time(b, 0) / b  # seconds per token without speculation
-        tokens = float(accepted.sum()) + b if gamma > 0 else float(b)
+        counts: list[int] = accepted.tolist() if gamma > 0 else []
+        tokens = sum(counts) + b
         measured = tokens * plain / seconds
         self.measured_speedup += _ema_weight(self.cfg.cost_horizon, 1) * (measured - self.measured_speedup)
         if gamma == 0:
             return
         rows: dict[str, list[int]] = {}
-        for i, w in enumerate(workloads):
-            rows.setdefault(w, []).append(i)
+        for w, n in zip(workloads, counts, strict=True):
+            rows.setdefault(w, []).append(n)
         with self._lock:
-            for w, idx in rows.items():
-                sub = accepted if len(rows) == 1 else accepted[torch.tensor(idx)]
+            for w, sub in rows.items():
                 self.tracker(w).update(sub, gamma, self.cfg.short_steps, self.cfg.long_steps)
 
     def draft_changed(self, workloads: list[str]) -> None:
@@ -227,13 +231,10 @@ class Controller:
     def shifted(self, workload: str) -> bool:
         """The paper's shift detector: short-term tau well below the long-term one."""
         acc = self.tracker(workload)
-        if int(acc.seen[0]) < self.cfg.short_steps:
+        if acc.seen[0] < self.cfg.short_steps:
             return False
         g = self.cfg.max_gamma
         return acc.tau(g, "short") - 1 < (acc.tau(g, "long") - 1) * (1 - self.cfg.shift_drop)
-
-    def wants_capture(self, workload: str) -> bool:
-        return self.shifted(workload) or not self.pays(workload)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         with self._lock:

@@ -92,7 +92,8 @@ class DraftSync:
         self.stats = SyncStats()
         self.following: dict[str, Following] = {}
         self.refused: set[tuple[str, str]] = set()  # (model name, version) never to try again
-        self.saturated: set[str] = set()  # workloads whose trainer stopped improving held-out tau
+        # workloads whose trainer stopped improving held-out tau, and since when (this node's clock)
+        self.saturated: dict[str, float] = {}
         self._profile: str | None = None
         self._profiled: set[str] = set()  # models whose profile tag this node has set
         self._stop = threading.Event()
@@ -177,10 +178,10 @@ class DraftSync:
             raise
         gains = [float(v.tags["held_out_gain"]) for v in versions if "held_out_gain" in (v.tags or {})]
         done = len(gains) >= n and max(gains[:n]) < self.cfg.min_improvement
-        if done:
-            self.saturated.add(workload)
-        else:
-            self.saturated.discard(workload)
+        if not done:
+            self.saturated.pop(workload, None)
+        elif workload not in self.saturated:
+            self.saturated[workload] = time.time()
 
     # -- after a swap: does the draft deliver what the gate predicted? ---------------------------
     def _watch(self) -> None:

@@ -51,14 +51,19 @@ class EngineLoop:
         self.thread.start()
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, workload: str, capture: bool
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        workload: str,
+        capture: bool,
+        request_id: str | None = None,
     ) -> tuple[Sequence, asyncio.Queue[Delta]]:
         """Queue a request (ValueError: it cannot be served; QueueFull: try again later)."""
         slots = self.engine.cfg.max_batch
         if len(self.waiters) >= slots + self.max_queue:  # every slot taken and the queue full
             raise QueueFull(f"all {slots} slots and {self.max_queue} queue places are taken")
         queue: asyncio.Queue[Delta] = asyncio.Queue()
-        rid = uuid.uuid4().hex[:24]
+        rid = request_id or uuid.uuid4().hex[:24]
         self.waiters[rid] = _Waiter(asyncio.get_running_loop(), queue)
         try:
             seq = self.engine.add(prompt, params, rid, workload, capture, detokenize=True)

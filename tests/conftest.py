@@ -219,16 +219,24 @@ def registry(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def serve_into_kafka(
-    target: Target, bootstrap: str, workload: str, prompt_file: str, n: int, held_out: bool = False
+    target: Target,
+    bootstrap: str,
+    workload: str,
+    prompt_file: str,
+    n: int,
+    held_out: bool = False,
+    batch: str = "",
 ) -> set[str]:
     """The target answers n prompts with capture on; returns the (request id, chunk) keys in the topic.
-    With `held_out`, every request id is one the trainers only ever evaluate on."""
+    With `held_out`, every request id is one the trainers only ever evaluate on. A later call for the
+    same workload names another `batch`: its request ids are new."""
     publisher = RecordPublisher(
         PublisherConfig(bootstrap, "int8-g64", chunk_positions=48), target.fingerprint
     )
     engine = Engine(target, None, EngineConfig(max_batch=8, max_model_len=512, gamma=0), tap=publisher)
     prompts = [p.token_ids(target.tok)[-200:] for p in load_prompts(WORKLOADS / prompt_file)[:n]]
-    ids = (f"{workload}-{i}" for i in itertools.count())
+    prefix = f"{workload}-{batch}"  # a later batch's ids start with it, the first batch's do not
+    ids = (f"{prefix}{i}" for i in itertools.count())
     for p in prompts:
         rid = next(i for i in ids if is_held_out(i) == held_out) if held_out else None
         engine.add(p, SamplingParams(max_tokens=64), rid, workload=workload)
@@ -241,7 +249,8 @@ def serve_into_kafka(
     idle = time.monotonic()
     while time.monotonic() - idle < 5:
         for c in reader.poll(64, 1.0):
-            keys.add(f"{c.record.request_id}:{c.record.chunk}")
+            if not batch or c.record.request_id.startswith(prefix):  # this call's requests
+                keys.add(f"{c.record.request_id}:{c.record.chunk}")
             idle = time.monotonic()
     reader.close()
     assert len(keys) == publisher.stats.records_published

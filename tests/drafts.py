@@ -63,6 +63,7 @@ class Registrar:
         from tide.registry.store import model_name
 
         self.client = MlflowClient(url)
+        self.workload = workload
         self.name = model_name(fingerprint, workload)
         exp = self.client.get_experiment_by_name("tide-tests")
         exp_id = exp.experiment_id if exp else self.client.create_experiment("tide-tests")

@@ -1,10 +1,14 @@
-"""Capture rules per workload: from the command line, changed at run time, the client's opt-out wins."""
+"""Capture rules per workload: from the command line, changed at run time, the client's opt-out wins;
+`auto` rules: the held-out share always, everything while the workload needs training."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 
-from tide.serving.capture import CapturePolicy, CaptureRule, parse_rules
+from tide.registry.store import is_held_out
+from tide.serving.capture import CapturePolicy, CaptureRule, TrainingAdvisor, parse_rules
 
 
 def test_rules_from_the_command_line() -> None:
@@ -36,3 +40,45 @@ def test_auto_rules_follow_the_advisor() -> None:
     assert policy.decide("code", False) and policy.active("code")
     assert not policy.decide("code", True)  # the client's opt-out still wins
     assert not policy.active("other")
+    ids = [f"req-{i}" for i in range(400)]
+    needs["code"] = False
+    captured = [i for i in ids if policy.decide("code", False, i)]
+    assert captured and all(is_held_out(i) for i in captured)  # the gate's share, all the time
+    assert len(captured) == sum(is_held_out(i) for i in ids)
+
+
+@dataclass
+class _Signals:
+    """The controller's two signals, set by hand."""
+
+    shift: bool = False
+    paying: bool = True
+
+    def shifted(self, workload: str) -> bool:
+        return self.shift
+
+    def pays(self, workload: str) -> bool:
+        return self.paying
+
+
+@dataclass
+class _Sync:
+    saturated: dict[str, float] = field(default_factory=dict)
+
+
+def test_training_lasts_from_a_shift_until_the_trainer_saturates() -> None:
+    signals, sync, now = _Signals(), _Sync(), [0.0]
+    advise = TrainingAdvisor(signals, sync, clock=lambda: now[0])
+    assert not advise("w")
+    sync.saturated["w"] = -100.0  # saturated long before: says nothing about what comes
+    now[0], signals.shift = 10.0, True
+    assert advise("w")
+    now[0], signals.shift = 20.0, False  # the short average caught up with the long one: training goes on
+    assert advise("w")
+    sync.saturated["w"] = 30.0  # candidates after the shift stopped improving
+    assert not advise("w")
+    now[0], signals.paying = 40.0, False  # the draft stopped paying: a new reason, training again
+    assert advise("w")
+    sync.saturated["w"] = 50.0
+    now[0] = 60.0
+    assert not advise("w") and not advise("w")  # still not paying, but nothing new: no endless training

@@ -37,7 +37,8 @@ def gate_setup(
     # step times as a serving node publishes them: the gate scores by the cost model's speedup
     profile = measure_profile(target_bf16.model, draft, 1, 256, 5, repeats=3)
     reg.client.set_registered_model_tag(reg.name, PROFILE_TAG, profile.to_json("test-node"))
-    cfg = GateConfig(registry.url, kafka.bootstrap, registry.data_dir / "gate-cache")
+    # the records are served once, here: the whole module judges on all of them, however long it runs
+    cfg = GateConfig(registry.url, kafka.bootstrap, registry.data_dir / "gate-cache", held_out_seconds=3600)
     gate = Gate(cfg, load_head())
     return gate, reg
 
@@ -132,3 +133,21 @@ def test_gate_recalls_an_earlier_champion_that_serves_better(
     assert f"beat candidate v{cand.version}" in recalled["gate.recall.reason"]
     assert float(recalled["gate.recall.score"]) > float(tags["gate.score"])
     assert "gate.champion_until" in reg.tags(reg.client.get_model_version(reg.name, weak))
+
+
+def test_gate_brings_an_earlier_champion_back_when_its_traffic_comes_back(
+    gate_setup: tuple[Gate, Registrar], target_bf16: Target, kafka: KafkaBroker
+) -> None:
+    gate, reg = gate_setup
+    good, weak = reg.alias("champion"), reg.alias("previous")
+    assert good and weak
+    # the weak draft serves (say the traffic moved away and the trainer's draft for it won); no candidate
+    reg.client.set_registered_model_alias(reg.name, "champion", weak)
+    assert not [d for d in gate.run_once() if d.name == reg.name]  # no new held-out traffic: nothing to judge
+    # the good draft's traffic comes back: new held-out records, and the gate weighs the champions again
+    serve_into_kafka(target_bf16, kafka.bootstrap, reg.workload, "code.jsonl", 3, held_out=True, batch="back")
+    decisions = [d for d in gate.run_once() if d.name == reg.name]
+    assert [d.decision for d in decisions] == ["recalled"] and decisions[0].version == good, decisions
+    assert reg.alias("champion") == good and reg.alias("previous") == weak
+    tags = reg.tags(reg.client.get_model_version(reg.name, good))
+    assert f"champion v{weak}" in tags["gate.recall.reason"] and float(tags["gate.recall.score"]) > 1.0

@@ -1,4 +1,4 @@
-"""The online trainer's pure parts: the recency window of held-out examples and the draft
+"""The online trainer's pure parts: the recency window (positions, seconds) of held-out examples and the draft
 vocabulary picked after a shift."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from tide.trainers.online import keep_recent
 from tide.trainers.ttt import Example, select_vocab
 
 
-def _example(tokens: list[int], learn_from: int = 0) -> Example:
+def _example(tokens: list[int], learn_from: int = 0, created_at: float = 0.0) -> Example:
     n = len(tokens)
-    return Example.make(torch.tensor(tokens), torch.zeros(n, 6), torch.zeros(n, 2), None, learn_from)
+    return Example.make(
+        torch.tensor(tokens), torch.zeros(n, 6), torch.zeros(n, 2), None, learn_from, created_at
+    )
 
 
 def test_keep_recent_keeps_the_newest_positions() -> None:
@@ -23,6 +25,16 @@ def test_keep_recent_keeps_the_newest_positions() -> None:
     # prompt positions are not counted: an evaluation only measures completions
     prompted = [_example([i] * 10, learn_from=8) for i in range(5)]
     assert len(keep_recent(prompted, 6)) == 3
+
+
+def test_keep_recent_follows_the_traffic_of_the_last_seconds() -> None:
+    examples = [_example([i] * 10, created_at=100.0 * i) for i in range(6)]  # one every 100 s
+    times = [e.created_at for e in keep_recent(examples, 1000, newer_than=350.0)]
+    assert times == [400.0, 500.0]  # a shift at 350 s: only what came after it
+    # too little since then: the newest older ones fill up to the floor
+    times = [e.created_at for e in keep_recent(examples, 1000, newer_than=450.0, floor=30)]
+    assert times == [300.0, 400.0, 500.0]
+    assert keep_recent(examples, 1000, newer_than=900.0) == examples[-1:]  # the newest always stays
 
 
 def test_vocabulary_after_a_shift_keeps_older_words_as_filler() -> None:

@@ -350,6 +350,9 @@ def gate(
     ),
     gamma: int = typer.Option(4, "--gamma", help="the serving gamma, used while no profile is known"),
     min_positions: int = typer.Option(256, "--min-positions", help="held-out positions needed to decide"),
+    held_out_seconds: float = typer.Option(
+        120.0, "--held-out-seconds", help="judge on the held-out records of this many last seconds"
+    ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """The acceptance gate: promote a candidate to `champion` only if it beats what serves now."""
@@ -362,7 +365,7 @@ def gate(
         head = load_head(model)
         cfg = GateConfig(
             mlflow, kafka, cache_dir() / "gate", margin=margin, min_speedup=min_speedup, min_tau=min_tau,
-            gamma=gamma, gamma_max=max(4, gamma), min_positions=min_positions,
+            gamma=gamma, gamma_max=max(4, gamma), min_positions=min_positions, held_out_seconds=held_out_seconds,
         )  # fmt: skip
         g = Gate(cfg, head)
         try:

@@ -152,6 +152,7 @@ def save_examples(examples: list[Example], path: Path) -> None:
         tensors[f"{i}.hidden"] = ex.hidden.to(torch.bfloat16).contiguous()
         tensors[f"{i}.best"] = ex.best
         tensors[f"{i}.learn_from"] = torch.tensor([ex.learn_from])
+        tensors[f"{i}.created_at"] = torch.tensor([ex.created_at], dtype=torch.float64)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"examples": str(len(examples))})
 
@@ -161,7 +162,12 @@ def load_examples(path: Path) -> list[Example]:
     n = len({k.split(".")[0] for k in t})
     return [
         Example(
-            t[f"{i}.tokens"], t[f"{i}.aux"], t[f"{i}.hidden"], t[f"{i}.best"], int(t[f"{i}.learn_from"][0])
+            t[f"{i}.tokens"],
+            t[f"{i}.aux"],
+            t[f"{i}.hidden"],
+            t[f"{i}.best"],
+            int(t[f"{i}.learn_from"][0]),
+            float(t[f"{i}.created_at"][0]) if f"{i}.created_at" in t else 0.0,
         )
         for i in range(n)
     ]

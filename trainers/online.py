@@ -46,8 +46,11 @@ class OnlineConfig:
     batch_size: int = 4  # new records per step; as many again come from the replay buffer
     replay_size: int = 2000  # examples kept for replay (and saved with the checkpoint)
     held_out_percent: int = HELD_OUT_PERCENT  # requests whose records only ever evaluate
-    # the most recent held-out positions: after a shift the held-out set must follow the traffic soon
+    # held-out examples: those of the last `held_out_seconds` (after a shift the held-out set must be
+    # the new traffic soon), at most `held_out_positions`, at least `held_out_floor` when there are
     held_out_positions: int = 1536
+    held_out_seconds: float = 120.0
+    held_out_floor: int = 256
     vocab_warmup_positions: int = 2048  # positions read before the draft vocabulary is refitted
     # the traffic moved away from the draft vocabulary: refit once the last `vocab_warmup_positions`
     # completion tokens are covered less than this
@@ -71,13 +74,21 @@ class Candidate:
     gain: float  # held-out tau over the previous candidate's (or the start draft's), same examples
 
 
-def keep_recent(examples: list[Example], positions: int) -> list[Example]:
+def keep_recent(
+    examples: list[Example], positions: int, newer_than: float | None = None, floor: int = 0
+) -> list[Example]:
     """The newest examples holding at most `positions` learnable (completion) positions, the ones an
-    evaluation counts (always the newest example)."""
+    evaluation counts (always the newest example). With `newer_than`, examples captured before it are
+    dropped too, unless the newer ones hold fewer than `floor` positions: then the newest older ones
+    fill up to `floor` (a quiet workload keeps something to measure on)."""
     total, i = 0, len(examples)
     while i > 0:
-        n = len(examples[i - 1].tokens) - examples[i - 1].learn_from
-        if total + n > positions and i < len(examples):
+        ex = examples[i - 1]
+        n = len(ex.tokens) - ex.learn_from
+        if i < len(examples) and (
+            total + n > positions
+            or (newer_than is not None and ex.created_at < newer_than and total >= floor)
+        ):
             break
         total += n
         i -= 1
@@ -91,7 +102,7 @@ def example_of(r: HiddenStateRecord, lm_head: torch.Tensor | None) -> Example | 
         return None
     k = int(r.prefill.sum())
     learn_from = k - 1 if k < m else m  # the last prompt position predicts the first completion token
-    return Example.make(r.tokens[:m], r.aux, r.hidden, lm_head, max(0, learn_from))
+    return Example.make(r.tokens[:m], r.aux, r.hidden, lm_head, max(0, learn_from), r.created_at)
 
 
 def refit_vocab(draft: Eagle3Draft, ids: torch.Tensor, lm_head: torch.Tensor) -> None:
@@ -219,10 +230,16 @@ class OnlineTrainer:
             if ex is None:
                 continue
             if held:
-                self.held_out = keep_recent([*self.held_out, ex], self.cfg.held_out_positions)
+                self.held_out.append(ex)
             else:
                 fresh.append(ex)
+        self._trim_held_out()
         return fresh
+
+    def _trim_held_out(self) -> None:
+        cfg = self.cfg
+        since = time.time() - cfg.held_out_seconds
+        self.held_out = keep_recent(self.held_out, cfg.held_out_positions, since, cfg.held_out_floor)
 
     def _train(self, fresh: list[Example], force: bool = False) -> None:
         if not self.vocab_fitted:
@@ -288,6 +305,7 @@ class OnlineTrainer:
         log.info("draft vocabulary refitted to the last %d examples (refit %d)", len(examples), self.refits)
 
     def _evaluate(self) -> None:
+        self._trim_held_out()
         if not self.held_out:
             return
         m = self.trainer.evaluate(self.held_out)

@@ -25,6 +25,7 @@ class Example:
     hidden: torch.Tensor  # (n, d)
     best: torch.Tensor  # (n,) the target's argmax at each position (computed once, from hidden)
     learn_from: int = 0  # positions >= this have distributions worth learning (the completion)
+    created_at: float = 0.0  # when the serving node captured it (unix seconds; 0: unknown)
 
     @classmethod
     def make(
@@ -34,6 +35,7 @@ class Example:
         hidden: torch.Tensor,
         lm_head: torch.Tensor | None,
         learn_from: int = 0,
+        created_at: float = 0.0,
     ) -> Example:
         """`best` needs the full LM head over every position: only evaluation uses it, so an example
         made only for training (lm_head None) skips that cost and holds -1."""
@@ -41,7 +43,7 @@ class Example:
             best = torch.full((len(tokens),), -1, dtype=torch.long)
         else:
             best = torch.cat([(h.float() @ lm_head.float().T).argmax(-1) for h in hidden.split(256)])
-        return cls(tokens, aux, hidden, best, learn_from)
+        return cls(tokens, aux, hidden, best, learn_from, created_at)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from tide.models.loader import Target, load_target
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.prompts import load_prompts, split
 from tide.registry.store import CHAMPION, is_held_out, register_folder
-from tide.serving.capture import CapturePolicy, CaptureRule
+from tide.serving.capture import CapturePolicy, CaptureRule, TrainingAdvisor
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.engine import Engine, EngineConfig
@@ -51,6 +51,7 @@ class ShiftBenchConfig:
     phase_seconds: float = 600.0
     slot_seconds: float = 4.0  # each system serves this long in turn
     window_seconds: float = 30.0
+    end_seconds: float = 120.0  # "by the end of a phase": its last this many seconds
     max_batch: int = 1
     max_new_tokens: int = 96
     static_gamma: int = 3
@@ -101,8 +102,8 @@ class System:
                 i = self.cursor.get(workload, 0)
                 self.cursor[workload] = i + 1
                 self.started[phase] += 1
-                capture = self.capture.decide(WORKLOAD, False) if self.capture else False
                 rid = request_id(workload, i, len(prompts))
+                capture = self.capture.decide(WORKLOAD, False, rid) if self.capture else False
                 e.add(prompts[i % len(prompts)], params, rid, workload=WORKLOAD, capture=capture)
             tokens += sum(len(o.new_tokens) for o in e.step())
         self.slots.append(Slot(start - t0, time.perf_counter() - start, tokens,
@@ -182,7 +183,7 @@ def _run(
     )
     capture = CapturePolicy({"*": CaptureRule(auto=True)})
     sync = DraftSync(SyncConfig(mlflow.url, work / "drafts", "bench", poll_seconds=5.0), tide_engine)
-    capture.advisor = lambda w: controller.shifted(w) or (not controller.pays(w) and w not in sync.saturated)
+    capture.advisor = TrainingAdvisor(controller, sync)
     tide = System("tide", tide_engine, capture)
     systems = [nospec, static, tide]
 
@@ -214,6 +215,8 @@ def _run(
                 following = sync.following.get(WORKLOAD)
                 if following is not None and following.version != str(version):
                     kind = "rollback" if sync.stats.rollbacks > rollbacks else "promotion"
+                    if kind == "promotion" and int(following.version) < int(version):
+                        kind = "recall"  # the gate brought an earlier champion back
                     rollbacks, version = sync.stats.rollbacks, following.version
                     events.append({"t": time.perf_counter() - t0, kind: version, "phase": phase})
                 recent = [[x for x in s.slots if x.start >= now - cfg.window_seconds] for s in systems]
@@ -274,16 +277,25 @@ def _report(
                 adapt = phase_windows[i]["t"] - lo
                 break
         ordered = sorted(ratios)
+        end = _tokens_per_s(within(nospec, hi - cfg.end_seconds, hi))
+        name = Path(path).stem
+        earlier = [ph for ph in phases if ph["workload"] == name]
         phases.append({
-            "workload": Path(path).stem,
+            "workload": name,
             "nospec_tokens_per_s": base,
             "static_vs_nospec": _tokens_per_s(within(static, lo, hi)) / base if base else None,
             "tide_vs_nospec": _tokens_per_s(within(tide, lo, hi)) / base if base else None,
             "tide_window_median": statistics.median(ratios) if ratios else None,
             "tide_window_p10": ordered[int(0.1 * (len(ordered) - 1))] if ordered else None,
             "tide_last_window": ratios[-1] if ratios else None,
+            "static_end_vs_nospec": _tokens_per_s(within(static, hi - cfg.end_seconds, hi)) / end if end else None,
+            "tide_end_vs_nospec": _tokens_per_s(within(tide, hi - cfg.end_seconds, hi)) / end if end else None,
             "adapt_seconds": adapt,
+            # a workload that comes back: from phase start to TIDE's window ratio reaching 95% of
+            # what it was by the end of the workload's last phase
+            "recovery_seconds": _recovery(phase_windows, lo, earlier[-1]["tide_end_vs_nospec"]) if earlier else None,
             "promotions": sum(1 for e in events if e["phase"] == p and "promotion" in e),
+            "recalls": sum(1 for e in events if e["phase"] == p and "recall" in e),
             "rollbacks": sum(1 for e in events if e["phase"] == p and "rollback" in e),
             "workload_prompts": prompts[p],  # against tide_requests: how often prompts came again
             "tide_requests": tide.started[p],
@@ -294,6 +306,7 @@ def _report(
             "phase_seconds": cfg.phase_seconds,
             "slot_seconds": cfg.slot_seconds,
             "window_seconds": cfg.window_seconds,
+            "end_seconds": cfg.end_seconds,
             "max_batch": cfg.max_batch,
             "max_new_tokens": cfg.max_new_tokens,
             "static_gamma": cfg.static_gamma,
@@ -305,6 +318,15 @@ def _report(
         "records_published": records,
         "controller": controller,
     }
+
+
+def _recovery(windows: list[dict[str, Any]], start: float, before: float | None) -> float | None:
+    if before is None:
+        return None
+    for w in windows:
+        if w["tide_vs_nospec"] is not None and w["tide_vs_nospec"] >= 0.95 * before:
+            return float(w["t"] - start)
+    return None
 
 
 def plot_shift_report(report: dict[str, Any], path: Path) -> None:
@@ -331,9 +353,10 @@ def plot_shift_report(report: dict[str, Any], path: Path) -> None:
             ax.axvline(p * phase_s / 60, color="#bbb", ls="--", lw=1)
             ax.text(p * phase_s / 60, ax.get_ylim()[1], f" {ph['workload']}", va="top", fontsize=8)
         for e in report["events"]:
-            ax.axvline(e["t"] / 60, color="#2a7" if "promotion" in e else "#c33", ls=":", lw=1)
+            color = "#2a7" if "promotion" in e else "#27a" if "recall" in e else "#c33"
+            ax.axvline(e["t"] / 60, color=color, ls=":", lw=1)
         ax.legend(loc="lower right", fontsize=8)
-    ax1.set_title("workload shift: promotions dotted green, rollbacks red")
+    ax1.set_title("workload shift: promotions dotted green, recalls blue, rollbacks red")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
