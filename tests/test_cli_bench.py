@@ -75,3 +75,28 @@ def test_bench_training_report(tmp_path: Path) -> None:
     assert r["storage_bytes_offline"] == r["positions"] * 4 * 576 * 2
     assert r["storage_bytes_tide"] == r["storage_topic_peak_bytes"] + r["storage_replay_peak_bytes"] > 0
     assert 1.5 < r["codec_factor"] < 4  # int8 with group scales, zstd
+
+
+def test_bench_shift_report(trained_draft_dir: Path, tmp_path: Path) -> None:
+    """A minute of `tide bench shift` (two short phases) with the whole loop: Kafka, MLflow, trainer, gate."""
+    out, plot = tmp_path / "shift.json", tmp_path / "shift.png"
+    schedule = f"{WORKLOADS / 'code.jsonl'},{WORKLOADS / 'chat_fr.jsonl'}"
+    args = ["bench", "shift", "--schedule", schedule, "--static-draft", str(trained_draft_dir),
+            "--phase-seconds", "40", "--slot-seconds", "2", "--window-seconds", "10", "--max-new-tokens", "24",
+            "--work-dir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    r = json.loads(out.read_text())
+    assert plot.stat().st_size > 1000
+    assert [p["workload"] for p in r["phases"]] == ["code", "chat_fr"]
+    for p in r["phases"]:
+        assert p["nospec_tokens_per_s"] > 0 and p["static_vs_nospec"] > 0 and p["tide_vs_nospec"] > 0
+        assert p["tide_window_p10"] <= p["tide_window_median"]
+        assert {
+            "adapt_seconds",
+            "promotions",
+            "recalls",
+            "recovery_seconds",
+            "tide_end_vs_nospec",
+        } <= p.keys()
+    assert len(r["windows"]) == 8 and r["controller"]["default"]["alpha_short"]

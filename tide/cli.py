@@ -593,8 +593,9 @@ def bench_shift(
     for f in files:
         if not f.exists():
             raise typer.BadParameter(f"no such prompt file: {f}", param_hint="--schedule")
-    cfg = ShiftBenchConfig(files, static_draft, phase_seconds, slot_seconds, window_seconds, max_batch,
-                           max_new_tokens, model=model, work_dir=work_dir)  # fmt: skip
+    cfg = ShiftBenchConfig(files, static_draft, phase_seconds=phase_seconds, slot_seconds=slot_seconds,
+                           window_seconds=window_seconds, max_batch=max_batch, max_new_tokens=max_new_tokens,
+                           model=model, work_dir=work_dir)  # fmt: skip
     with _clear_errors():
         report = run_shift_bench(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)

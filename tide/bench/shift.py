@@ -51,12 +51,12 @@ class ShiftBenchConfig:
     phase_seconds: float = 600.0
     slot_seconds: float = 4.0  # each system serves this long in turn
     window_seconds: float = 30.0
-    end_seconds: float = 120.0  # "by the end of a phase": its last this many seconds
     max_batch: int = 1
     max_new_tokens: int = 96
     static_gamma: int = 3
     model: str | None = None
     work_dir: Path | None = None  # broker, registry and trainer state (default: a temporary folder)
+    end_seconds: float = 120.0  # "by the end of a phase": its last this many seconds
 
 
 @dataclass
@@ -277,7 +277,8 @@ def _report(
                 adapt = phase_windows[i]["t"] - lo
                 break
         ordered = sorted(ratios)
-        end = _tokens_per_s(within(nospec, hi - cfg.end_seconds, hi))
+        end_lo = max(lo, hi - cfg.end_seconds)
+        end = _tokens_per_s(within(nospec, end_lo, hi))
         name = Path(path).stem
         earlier = [ph for ph in phases if ph["workload"] == name]
         phases.append({
@@ -288,8 +289,8 @@ def _report(
             "tide_window_median": statistics.median(ratios) if ratios else None,
             "tide_window_p10": ordered[int(0.1 * (len(ordered) - 1))] if ordered else None,
             "tide_last_window": ratios[-1] if ratios else None,
-            "static_end_vs_nospec": _tokens_per_s(within(static, hi - cfg.end_seconds, hi)) / end if end else None,
-            "tide_end_vs_nospec": _tokens_per_s(within(tide, hi - cfg.end_seconds, hi)) / end if end else None,
+            "static_end_vs_nospec": _tokens_per_s(within(static, end_lo, hi)) / end if end else None,
+            "tide_end_vs_nospec": _tokens_per_s(within(tide, end_lo, hi)) / end if end else None,
             "adapt_seconds": adapt,
             # a workload that comes back: from phase start to TIDE's window ratio reaching 95% of
             # what it was by the end of the workload's last phase
