@@ -59,15 +59,17 @@ class _Outgoing:
 
 @dataclass
 class _Pending:
-    """A request's positions not yet published."""
+    """A request's positions not yet published, as the steps delivered them: one concatenation per
+    chunk published, not one per step."""
 
     workload: str
     draft_version: str
     first_position: int
-    tokens: torch.Tensor  # (m + 1,)
-    aux: torch.Tensor
-    hidden: torch.Tensor
-    prefill: torch.Tensor
+    tokens: list[torch.Tensor]  # the first part holds one token more than positions: the next input
+    aux: list[torch.Tensor]
+    hidden: list[torch.Tensor]
+    prefill: list[torch.Tensor]
+    positions: int = 0
     chunk: int = 0
     touched: float = field(default_factory=time.monotonic)
 
@@ -115,39 +117,36 @@ class RecordPublisher:
     def _add(self, ev: TapEvent) -> None:
         n = len(ev.aux)
         flags = torch.full((n,), ev.prefill, dtype=torch.bool)
+        # the engine's tensors are slices of its step outputs, which it never writes again
+        aux, hidden = ev.aux.to(torch.bfloat16), ev.hidden.to(torch.bfloat16)
         p = self._pending.get(ev.request_id)
         if p is None:
-            # copies: the engine's tensors are views into its step outputs
             p = _Pending(
-                ev.workload,
-                ev.draft_version,
-                ev.first_position,
-                ev.tokens.clone(),
-                ev.aux.to(torch.bfloat16, copy=True),
-                ev.hidden.to(torch.bfloat16, copy=True),
-                flags,
+                ev.workload, ev.draft_version, ev.first_position, [ev.tokens], [aux], [hidden], [flags]
             )
             self._pending[ev.request_id] = p
         else:
-            p.tokens = torch.cat([p.tokens[:-1], ev.tokens])  # events overlap by one token
-            p.aux = torch.cat([p.aux, ev.aux.to(torch.bfloat16)])
-            p.hidden = torch.cat([p.hidden, ev.hidden.to(torch.bfloat16)])
-            p.prefill = torch.cat([p.prefill, flags])
+            p.tokens.append(ev.tokens[1:])  # events overlap by one token
+            p.aux.append(aux)
+            p.hidden.append(hidden)
+            p.prefill.append(flags)
             p.draft_version = ev.draft_version
             p.touched = time.monotonic()
+        p.positions += n
         c = self.cfg.chunk_positions
-        while len(p.aux) >= c and not (ev.final and len(p.aux) == c):
+        while p.positions >= c and not (ev.final and p.positions == c):
             self._send(ev.request_id, p, c, last=False)
         if ev.final:
-            self._send(ev.request_id, p, len(p.aux), last=True)
+            self._send(ev.request_id, p, p.positions, last=True)
             del self._pending[ev.request_id]
 
     def _send(self, request_id: str, p: _Pending, n: int, last: bool) -> None:
+        tokens, aux, hidden, prefill = (torch.cat(x) for x in (p.tokens, p.aux, p.hidden, p.prefill))
         record = HiddenStateRecord(
-            tokens=p.tokens[: n + 1],
-            aux=p.aux[:n],
-            hidden=p.hidden[:n],
-            prefill=p.prefill[:n],
+            tokens=tokens[: n + 1],
+            aux=aux[:n],
+            hidden=hidden[:n],
+            prefill=prefill[:n],
             target_fingerprint=self.fingerprint,
             draft_version=p.draft_version,
             workload=p.workload,
@@ -156,7 +155,8 @@ class RecordPublisher:
             first_position=p.first_position,
             last=last,
         )
-        p.tokens, p.aux, p.hidden, p.prefill = p.tokens[n:], p.aux[n:], p.hidden[n:], p.prefill[n:]
+        p.tokens, p.aux, p.hidden, p.prefill = [tokens[n:]], [aux[n:]], [hidden[n:]], [prefill[n:]]
+        p.positions -= n
         p.chunk += 1
         p.first_position += n
         try:
@@ -187,8 +187,8 @@ class RecordPublisher:
         with self._pending_lock:
             for rid, p in list(self._pending.items()):
                 if now - p.touched > self.cfg.idle_flush_s:
-                    if len(p.aux):
-                        self._send(rid, p, len(p.aux), last=True)
+                    if p.positions:
+                        self._send(rid, p, p.positions, last=True)
                     del self._pending[rid]
 
     def _produce(self, item: _Outgoing) -> None:

@@ -43,6 +43,8 @@ class ControllerConfig:
     # step costs about an eighth of a plain one: the draft catches up on the steps it skipped)
     explore_every: int = 16
     explore_off_every: int = 32
+    explore_far_every: int = 128  # while off and predicted below `far_below` even at gamma 1
+    far_below: float = 0.9
     min_gain: float = 1.02  # speculate only above this predicted speedup
     shift_drop: float = 0.3  # short tau - 1 this far below long tau - 1: the workload shifted
     cost_horizon: float = 32.0  # steps averaged into the measured/predicted step-time ratio
@@ -61,13 +63,19 @@ class Acceptance:
     short: list[float] = field(init=False)
     long: list[float] = field(init=False)
     seen: list[int] = field(init=False)  # attempts observed at each depth
+    known: int = field(init=False)  # depths with a rate of their own (observed or given)
 
     def __post_init__(self) -> None:
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, prior: list[float] | None = None) -> None:
+        """Forget what was observed; `prior`: per-depth rates to start from (else PRIOR_ALPHA)."""
         self.short = [PRIOR_ALPHA] * self.max_gamma
-        self.long = [PRIOR_ALPHA] * self.max_gamma
+        self.known = 1  # deeper depths take the last known one's rate
+        for d, a in enumerate((prior or [])[: self.max_gamma]):
+            self.short[d] = a
+            self.known = d + 1
+        self.long = list(self.short)
         self.seen = [0] * self.max_gamma
 
     def update(self, accepted: list[int], gamma: int, short_h: float, long_h: float) -> None:
@@ -77,7 +85,8 @@ class Acceptance:
             n = sum(1 for a in accepted if a >= d)  # sequences whose draft reached depth d
             if n == 0:
                 break
-            if d > 0 and self.seen[d] == 0:  # a depth seen for the first time starts from the one above
+            if d >= self.known:  # a depth seen for the first time starts from the one above
+                self.known = d + 1
                 self.short[d], self.long[d] = self.short[d - 1], self.long[d - 1]
             rate = sum(1 for a in accepted if a > d) / n
             # a mean with the prior until the horizon is reached: the prior must not linger in the long average
@@ -91,7 +100,7 @@ class Acceptance:
         src = self.short if which == "short" else self.long
         out: list[float] = []
         for d in range(self.max_gamma):
-            out.append(src[d] if self.seen[d] > 0 or d == 0 else out[-1])
+            out.append(src[d] if d < self.known else out[-1])
         return out
 
     def tau(self, gamma: int, which: str = "short") -> float:
@@ -100,6 +109,20 @@ class Acceptance:
             alive *= a
             tau += alive
         return tau
+
+
+def alphas_from_taus(taus: dict[int, float]) -> list[float]:
+    """Per-depth acceptance from tau at gamma = 1, 2, ... (tau(g) - tau(g-1) = alpha_1 * ... * alpha_g)."""
+    out: list[float] = []
+    prev_tau, alive = 1.0, 1.0
+    for g in range(1, max(taus, default=0) + 1):
+        if g not in taus:
+            break
+        gain = max(taus[g] - prev_tau, 0.0)
+        a = min(max(gain / alive, 0.01), 0.99)  # a measured 0 or 1 is a small sample, not a certainty
+        out.append(a)
+        prev_tau, alive = taus[g], alive * a
+    return out
 
 
 class StepCosts:
@@ -192,7 +215,10 @@ class Controller:
         """The gamma of the next step for a batch of these workloads (one entry per sequence)."""
         d = self.best(workloads)
         self.steps += 1
-        every = self.cfg.explore_every if d.gamma > 0 else self.cfg.explore_off_every
+        every = self.cfg.explore_every
+        if d.gamma == 0:  # the further from paying, the less often a token is drafted to check
+            near = self.speedup(workloads, 1) >= self.cfg.far_below
+            every = self.cfg.explore_off_every if near else self.cfg.explore_far_every
         if self.steps % every == 0 and d.gamma < self.cfg.max_gamma:
             d = Decision(d.gamma + 1, self.speedup(workloads, d.gamma + 1), explore=True)
         self.last = d
@@ -217,11 +243,14 @@ class Controller:
             for w, sub in rows.items():
                 self.tracker(w).update(sub, gamma, self.cfg.short_steps, self.cfg.long_steps)
 
-    def draft_changed(self, workloads: list[str]) -> None:
-        """A new draft serves these workloads: what was learnt about the old one no longer holds."""
+    def draft_changed(self, workloads: list[str], expected: dict[int, float] | None = None) -> None:
+        """A new draft serves these workloads: what was learnt about the old one no longer holds.
+        `expected` (tau by gamma, as the gate measured the draft on recent traffic) is the prior:
+        a draft the gate found poor for this traffic is not tried at full speed first."""
+        prior = alphas_from_taus(expected) if expected else None
         with self._lock:
             for w in workloads:
-                self.tracker(w).reset()
+                self.tracker(w).reset(prior)
 
     # -- what the rest of the node reads ------------------------------------------------------
     def pays(self, workload: str, batch_size: int | None = None) -> bool:

@@ -141,8 +141,9 @@ class DraftSync:
         draft = self._fetch(mv)
         if draft is None:
             return
-        self.engine.set_draft(draft, workload)
-        self.following[workload] = Following(name, str(mv.version), draft.cfg.version, _predicted(mv))
+        predicted = _predicted(mv)
+        self.engine.set_draft(draft, workload, predicted or None)
+        self.following[workload] = Following(name, str(mv.version), draft.cfg.version, predicted)
         self.stats.swaps += 1
         log.info("%s: swapping in %s version %s (%s)", workload, name, mv.version, draft.cfg.version)
 
@@ -214,7 +215,8 @@ class DraftSync:
         self.refused.add((f.name, f.version))
         prev = alias_version(self.client, f.name, PREVIOUS)
         draft = self._fetch(prev) if prev is not None and str(prev.version) != f.version else None
-        self.engine.set_draft(draft, workload)  # None: the workload falls back to the default draft
+        # None: the workload falls back to the default draft
+        self.engine.set_draft(draft, workload, _predicted(prev) or None if prev is not None else None)
         self.following.pop(workload, None)
         if draft is not None and prev is not None:
             self.following[workload] = Following(
@@ -256,8 +258,8 @@ class DraftSync:
 
 
 def _predicted(mv: ModelVersion) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for k, v in (mv.tags or {}).items():
-        if k.startswith("gate.tau_gamma"):
-            out[int(k.removeprefix("gate.tau_gamma"))] = float(v)
-    return out
+    """tau by gamma as the gate last measured the version: when it was recalled, if it was (that
+    measurement is on more recent traffic), else when it was gated."""
+    tags = mv.tags or {}
+    prefix = "gate.recall.tau_gamma" if "gate.recall.time" in tags else "gate.tau_gamma"
+    return {int(k.removeprefix(prefix)): float(v) for k, v in tags.items() if k.startswith(prefix)}

@@ -138,6 +138,7 @@ class DraftSlot:
     cache: DraftKV
     ids: torch.Tensor  # draft vocabulary -> target token ids
     stats: DraftStats
+    expected: dict[int, float] | None = None  # tau at each gamma the gate measured (the controller's prior)
 
     @property
     def version(self) -> str:
@@ -262,15 +263,18 @@ class Engine:
         self.set_draft(draft, workload)
         return draft
 
-    def set_draft(self, draft: Eagle3Draft | None, workload: str = "default") -> None:
+    def set_draft(
+        self, draft: Eagle3Draft | None, workload: str = "default", expected: dict[int, float] | None = None
+    ) -> None:
         """Queue a workload's draft (None: the workload falls back to the default draft, or, for
-        the default, stops speculating). The engine takes it over (its linears get prepacked)."""
+        the default, stops speculating). The engine takes it over (its linears get prepacked).
+        `expected`: tau by gamma as the gate measured it on recent traffic, if known."""
         slot = None
         if draft is not None:
             # the slow parts happen here, off the engine's thread: weight packing, cache allocation
             pack_linears(draft)
             cache = draft.new_cache(self.cfg.max_batch, self.capacity, self.dtype)
-            slot = DraftSlot(draft, cache, draft.target_ids(), DraftStats(self.cfg.max_gamma))
+            slot = DraftSlot(draft, cache, draft.target_ids(), DraftStats(self.cfg.max_gamma), expected)
         with self._lock:
             self._pending[workload] = slot
 
@@ -326,9 +330,11 @@ class Engine:
                 self.drafts.pop(workload, None)
             else:
                 self.drafts[workload] = slot
-        if self.controller is not None:  # workloads on a new draft: their acceptance is unknown again
-            changed = [w for w in tracked if self.draft_key(w) in pending or self.draft_key(w) != keys[w]]
-            self.controller.draft_changed(changed)
+        if self.controller is not None:  # workloads on a new draft: start from what the gate measured
+            for w in tracked:
+                key = self.draft_key(w)
+                if key in pending or key != keys[w]:
+                    self.controller.draft_changed([w], self.drafts[key].expected if key is not None else None)
         # a sequence whose draft changed starts an empty cache: rebuild it from its stored aux states
         for seq in self.running:
             key = self.draft_key(seq.workload)

@@ -10,7 +10,7 @@ import torch
 from tests.conftest import tiny_draft, tiny_target, trained_tiny_draft
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target
-from tide.serving.controller import Controller, ControllerConfig, build_controller
+from tide.serving.controller import Controller, ControllerConfig, alphas_from_taus, build_controller
 from tide.serving.cost_model import StepProfile
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
@@ -43,7 +43,7 @@ def test_gamma_follows_acceptance_and_cost() -> None:
 
 
 def test_off_where_it_does_not_pay_but_keeps_exploring() -> None:
-    cfg = ControllerConfig(max_gamma=4, explore_every=8, explore_off_every=8)
+    cfg = ControllerConfig(max_gamma=4, explore_every=8, explore_off_every=8, explore_far_every=8)
     c = Controller(cfg, [FLAT])
     feed(c, "fr", 0, 4, 300)  # nothing accepted
     picks = [c.choose(["fr"]) for _ in range(64)]
@@ -55,6 +55,20 @@ def test_off_where_it_does_not_pay_but_keeps_exploring() -> None:
     for d in (c.choose(["fr"]) for _ in range(200)):
         c.observe(["fr"], torch.tensor([d.gamma]), d.gamma, c.costs.step_time(1, d.gamma))
     assert c.choose(["fr"]).gamma >= 3 and c.pays("fr")
+
+
+def test_a_new_draft_starts_from_what_the_gate_measured() -> None:
+    assert [round(a, 3) for a in alphas_from_taus({1: 1.8, 2: 2.44, 3: 2.7})] == [0.8, 0.8, 0.406]
+    assert alphas_from_taus({1: 1.0, 2: 1.0}) == [0.01, 0.01]  # nothing accepted: unlikely, not impossible
+    c = Controller(ControllerConfig(max_gamma=6), [FLAT])
+    c.draft_changed(
+        ["poor"], {1: 1.05, 2: 1.06, 3: 1.06, 4: 1.06}
+    )  # poor on today's traffic: not tried first
+    assert c.choose(["poor"]).gamma == 0
+    c.draft_changed(["good"], {1: 1.9, 2: 2.7, 3: 3.4, 4: 4.0})
+    assert c.choose(["good"]).gamma >= 4  # deeper depths start from the deepest the gate measured
+    c.draft_changed(["unknown"])  # no measurement: the optimistic prior, so the draft gets tried
+    assert c.choose(["unknown"]).gamma >= 1
 
 
 def test_shift_detector() -> None:

@@ -144,7 +144,7 @@ def run_shift_bench(cfg: ShiftBenchConfig) -> dict[str, Any]:
              for p in split(load_prompts(path), "test" if path == cfg.schedule[0] else "all") or load_prompts(path)]
             for path in cfg.schedule
         ]  # fmt: skip
-        return _run(cfg, target, phases, work, kafka, mlflow, training_cores)
+        return _run(cfg, target, phases, work, kafka, mlflow, serving_cores, training_cores)
 
 
 def _draft(target: Target, folder: Path) -> Eagle3Draft:
@@ -159,6 +159,7 @@ def _run(
     work: Path,
     kafka: KafkaBroker,
     mlflow: MlflowServer,
+    serving_cores: set[int],
     training_cores: set[int],
 ) -> dict[str, Any]:
     from mlflow import MlflowClient
@@ -173,7 +174,12 @@ def _run(
 
     nospec = System("nospec", Engine(target, None, engine_cfg(0)))
     static = System("static", Engine(target, _draft(target, cfg.static_draft), engine_cfg(cfg.static_gamma)))
+    # TIDE's background threads (librdkafka's, the publisher's, the draft sync's) are host work on a
+    # serving node with an accelerator: they start on the host's stand-in, the training core
+    # (threads keep the affinity they start with); encoding records stays on the engine's thread
+    _pin(training_cores)
     publisher = RecordPublisher(PublisherConfig(kafka.bootstrap, "int8-g64", 64), target.fingerprint)
+    _pin(serving_cores)
     ccfg = ControllerConfig(max_gamma=6)
     controller = build_controller(
         target.model, _draft(target, cfg.static_draft), ccfg, cfg.max_batch, (1, cfg.max_batch)
@@ -202,7 +208,10 @@ def _run(
                   "--min-positions", "256"], "gate.log")  # fmt: skip
     params = SamplingParams(max_tokens=cfg.max_new_tokens)
     events: list[dict[str, Any]] = []
+    sync.poll_once()  # here, on the serving core: it measures the step times the gate is given
+    _pin(training_cores)
     sync.start()
+    _pin(serving_cores)
     t0 = time.perf_counter()
     total = cfg.phase_seconds * len(phases)
     try:
