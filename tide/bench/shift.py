@@ -224,7 +224,8 @@ def _run(
                 following = sync.following.get(WORKLOAD)
                 if following is not None and following.version != str(version):
                     kind = "rollback" if sync.stats.rollbacks > rollbacks else "promotion"
-                    if kind == "promotion" and int(following.version) < int(version):
+                    tags = client.get_model_version(following.name, following.version).tags or {}
+                    if kind == "promotion" and "gate.recall.time" in tags:
                         kind = "recall"  # the gate brought an earlier champion back
                     rollbacks, version = sync.stats.rollbacks, following.version
                     events.append({"t": time.perf_counter() - t0, kind: version, "phase": phase})
