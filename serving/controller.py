@@ -5,9 +5,10 @@ average (expected tokens per step = 1 + sum_k prod_{i<=k} alpha_i). Step times c
 profiles measured at start-up at a few batch sizes (the target's forward for 1..max_gamma+1
 tokens per sequence, one draft step), corrected while serving by the engine's measured step
 times. Each step it picks the gamma that maximises the running batch's predicted speedup, and 0
-when none beats plain decoding. One step in `explore_every` drafts one token more than chosen (one
-while speculation is off), so the estimates stay current: speculation comes back as soon as a draft
-pays, and a depth that looked bad once is tried again.
+when none beats plain decoding. One step in `explore_every` drafts one token more than chosen (while
+speculation is off, one token in `explore_off_every` steps, rarer still far from paying), so the
+estimates stay current: speculation comes back as soon as a draft pays, and a depth that looked bad
+once is tried again. A new draft starts from what the gate measured of it on recent traffic.
 
 The short average falling below the long one is the paper's shift detector: the workload's
 traffic changed under its draft. Then, or when the workload's draft stops paying, the
