@@ -351,7 +351,7 @@ def gate(
     gamma: int = typer.Option(4, "--gamma", help="the serving gamma, used while no profile is known"),
     min_positions: int = typer.Option(256, "--min-positions", help="held-out positions needed to decide"),
     held_out_seconds: float = typer.Option(
-        120.0, "--held-out-seconds", help="judge on the held-out records of this many last seconds"
+        120.0, "--held-out-seconds", min=1.0, help="judge on the held-out records of this many last seconds"
     ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
