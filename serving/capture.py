@@ -114,8 +114,9 @@ class CapturePolicy:
 class TrainingAdvisor:
     """Decides `auto` capture: a workload needs training from the moment its acceptance shifts or
     its draft stops paying (the controller) until its trainer's candidates stop improving held-out
-    tau after that moment (the draft sync). Only a new such moment starts capture again, so a draft
-    that cannot be made to pay is not trained forever."""
+    tau after that moment (the draft sync). With a draft sync, the first request of a workload is
+    such a moment too: nothing says yet that its trainer has nothing left to learn from this traffic. Only a new such
+    moment starts capture again, so a draft that cannot be made to pay is not trained forever."""
 
     def __init__(
         self, controller: Controller, sync: DraftSync | None, clock: Callable[[], float] = time.time
@@ -129,13 +130,15 @@ class TrainingAdvisor:
     def __call__(self, workload: str) -> bool:
         c = self.controller
         needed = c.shifted(workload) or not c.pays(workload)
-        if needed and not self._needed.get(workload, False):
+        done = self.sync.saturated.get(workload) if self.sync is not None else None
+        # first sight: unless its trainer is known to be saturated already (or no drafts can come)
+        first = self.sync is not None and done is None and workload not in self._needed
+        if (needed and not self._needed.get(workload, False)) or first:
             self.since[workload] = self.clock()
         self._needed[workload] = needed
         since = self.since.get(workload)
         if since is None:
             return False
-        done = self.sync.saturated.get(workload) if self.sync is not None else None
         if done is not None and done > since:
             del self.since[workload]
             return False

@@ -18,6 +18,7 @@ traffic changed under its draft. Then, or when the workload's draft stops paying
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -39,6 +40,9 @@ class ControllerConfig:
     # from request to request; a shorter one sees shifts in single hard requests)
     short_steps: float = 128.0
     long_steps: float = 1024.0
+    # a third, very short average: when the shift detector fires, the short one drops to it, so
+    # gamma follows a collapsed acceptance within a few dozen steps instead of about a request
+    recent_steps: float = 16.0
     # while on: one step in this many drafts one token deeper than chosen, so the acceptance of the
     # next depth stays known; while off, one step in `explore_off_every` drafts one token (each such
     # step costs about an eighth of a plain one: the draft catches up on the steps it skipped)
@@ -49,6 +53,9 @@ class ControllerConfig:
     min_gain: float = 1.02  # speculate only above this predicted speedup
     shift_drop: float = 0.3  # short tau - 1 this far below long tau - 1: the workload shifted
     cost_horizon: float = 32.0  # steps averaged into the measured/predicted step-time ratio
+    # a draft swapped out this recently and back in (a rollback, a quick recall) takes up what was
+    # measured of it live: more current, and from far more positions, than the gate's measurement
+    remember_seconds: float = 120.0
 
 
 def _ema_weight(horizon: float, n: int) -> float:
@@ -63,6 +70,8 @@ class Acceptance:
     max_gamma: int
     short: list[float] = field(init=False)
     long: list[float] = field(init=False)
+    recent: list[float] = field(init=False)
+    shifted: bool = field(init=False)  # the detector's verdict after the last update
     seen: list[int] = field(init=False)  # attempts observed at each depth
     known: int = field(init=False)  # depths with a rate of their own (observed or given)
 
@@ -77,23 +86,33 @@ class Acceptance:
             self.short[d] = a
             self.known = d + 1
         self.long = list(self.short)
+        self.recent = list(self.short)
         self.seen = [0] * self.max_gamma
+        self.shifted = False
 
-    def update(self, accepted: list[int], gamma: int, short_h: float, long_h: float) -> None:
-        """One step's accepted counts (one per sequence) at `gamma` drafted tokens. Plain Python
-        floats: at a handful of depths, tensor element writes cost more than the arithmetic."""
+    def update(
+        self, accepted: list[int], gamma: int, short_h: float, long_h: float, recent_h: float, span: int = 1
+    ) -> None:
+        """One step's accepted counts (one per sequence) at `gamma` drafted tokens, standing for
+        `span` steps. Plain Python floats: at a handful of depths, tensor element writes cost more
+        than the arithmetic."""
         for d in range(gamma):
             n = sum(1 for a in accepted if a >= d)  # sequences whose draft reached depth d
             if n == 0:
                 break
             if d >= self.known:  # a depth seen for the first time starts from the one above
                 self.known = d + 1
-                self.short[d], self.long[d] = self.short[d - 1], self.long[d - 1]
+                self.short[d], self.long[d], self.recent[d] = (
+                    self.short[d - 1],
+                    self.long[d - 1],
+                    self.recent[d - 1],
+                )
             rate = sum(1 for a in accepted if a > d) / n
             # a mean with the prior until the horizon is reached: the prior must not linger in the long average
             first = n / (self.seen[d] + n + PRIOR_WEIGHT)
-            self.short[d] += max(first, _ema_weight(short_h, n)) * (rate - self.short[d])
-            self.long[d] += max(first, _ema_weight(long_h, n)) * (rate - self.long[d])
+            self.short[d] += max(first, _ema_weight(short_h, n * span)) * (rate - self.short[d])
+            self.long[d] += max(first, _ema_weight(long_h, n * span)) * (rate - self.long[d])
+            self.recent[d] += max(first, _ema_weight(recent_h, n * span)) * (rate - self.recent[d])
             self.seen[d] += n
 
     def alphas(self, which: str = "short") -> list[float]:
@@ -162,6 +181,7 @@ class Decision:
     gamma: int
     predicted_speedup: float
     explore: bool = False
+    span: int = 1  # steps its acceptance stands for (a token drafted to check, one step in many)
 
 
 class Controller:
@@ -173,6 +193,8 @@ class Controller:
         self.last = Decision(0, 1.0)
         self.measured_speedup = 1.0  # moving average of measured tokens/s over plain decoding's
         self.batch_size = 1  # of the last decode step: per-workload decisions are judged at it
+        # (workload, draft version) -> what was measured of a draft that was swapped out, and when
+        self.swapped_out: dict[tuple[str, str], tuple[Acceptance, float]] = {}
         self._lock = threading.Lock()  # readers (metrics, admin) take snapshots
 
     def tracker(self, workload: str) -> Acceptance:
@@ -221,7 +243,10 @@ class Controller:
             near = self.speedup(workloads, 1) >= self.cfg.far_below
             every = self.cfg.explore_off_every if near else self.cfg.explore_far_every
         if self.steps % every == 0 and d.gamma < self.cfg.max_gamma:
-            d = Decision(d.gamma + 1, self.speedup(workloads, d.gamma + 1), explore=True)
+            # while off, one check stands for the steps in between (a quarter of the short average
+            # at most): a draft that pays again is noticed after a few checks, not a hundred
+            span = min(every, int(self.cfg.short_steps / 4)) if d.gamma == 0 else 1
+            d = Decision(d.gamma + 1, self.speedup(workloads, d.gamma + 1), explore=True, span=span)
         self.last = d
         return d
 
@@ -240,18 +265,43 @@ class Controller:
         rows: dict[str, list[int]] = {}
         for w, n in zip(workloads, counts, strict=True):
             rows.setdefault(w, []).append(n)
+        cfg = self.cfg
+        span = self.last.span if gamma == self.last.gamma else 1
         with self._lock:
             for w, sub in rows.items():
-                self.tracker(w).update(sub, gamma, self.cfg.short_steps, self.cfg.long_steps)
+                acc = self.tracker(w)
+                acc.update(sub, gamma, cfg.short_steps, cfg.long_steps, cfg.recent_steps, span)
+                shifted = self._shifted(acc)
+                if shifted and not acc.shifted:  # the traffic changed under the draft: act on it now
+                    acc.short = [min(s, r) for s, r in zip(acc.short, acc.recent, strict=True)]
+                acc.shifted = shifted
 
-    def draft_changed(self, workloads: list[str], expected: dict[int, float] | None = None) -> None:
-        """A new draft serves these workloads: what was learnt about the old one no longer holds.
-        `expected` (tau by gamma, as the gate measured the draft on recent traffic) is the prior:
-        a draft the gate found poor for this traffic is not tried at full speed first."""
+    def draft_changed(
+        self,
+        workloads: list[str],
+        expected: dict[int, float] | None = None,
+        version: str | None = None,
+        replaced: str | None = None,
+    ) -> None:
+        """Draft `version` replaces draft `replaced` for these workloads: what was learnt about the
+        old one no longer holds. The new one starts from what was measured of it live, if it was
+        swapped out less than `remember_seconds` ago; else from `expected` (tau by gamma, as the
+        gate measured it on recent traffic): a draft the gate found poor for this traffic is not
+        tried at full speed first."""
         prior = alphas_from_taus(expected) if expected else None
+        now = time.monotonic()
         with self._lock:
             for w in workloads:
-                self.tracker(w).reset(prior)
+                if replaced is not None and w in self.acceptance:
+                    self.swapped_out[(w, replaced)] = (self.acceptance[w], now)
+                kept = self.swapped_out.pop((w, version), None) if version is not None else None
+                if kept is not None and now - kept[1] < self.cfg.remember_seconds:
+                    self.acceptance[w] = kept[0]
+                else:
+                    self.acceptance[w] = Acceptance(self.cfg.max_gamma)
+                    self.acceptance[w].reset(prior)
+            for key in [k for k, (_, t) in self.swapped_out.items() if now - t >= self.cfg.remember_seconds]:
+                del self.swapped_out[key]
 
     # -- what the rest of the node reads ------------------------------------------------------
     def pays(self, workload: str, batch_size: int | None = None) -> bool:
@@ -260,7 +310,9 @@ class Controller:
 
     def shifted(self, workload: str) -> bool:
         """The paper's shift detector: short-term tau well below the long-term one."""
-        acc = self.tracker(workload)
+        return self._shifted(self.tracker(workload))
+
+    def _shifted(self, acc: Acceptance) -> bool:
         if acc.seen[0] < self.cfg.short_steps:
             return False
         g = self.cfg.max_gamma

@@ -54,7 +54,9 @@ class SyncConfig:
     poll_seconds: float = 10.0
     workloads: tuple[str, ...] = ()  # followed from the start; workloads seen in traffic join later
     rollback_tolerance: float = 0.25  # live tau may fall this fraction short of the gate's prediction
-    rollback_min_steps: int = 200  # sequence-steps on a new draft before it is judged
+    # sequence-steps on a new draft before it is judged: several requests (one hard request after
+    # a gate that judged on a few easy ones is not a failed draft)
+    rollback_min_steps: int = 1000
     publish_profile: bool = True  # measure step times once and publish them for the gate
     patience: int = 3  # candidates without held-out improvement before training counts as done
     min_improvement: float = 0.01

@@ -325,6 +325,7 @@ class Engine:
         before = {seq.request_id: self.draft_key(seq.workload) for seq in self.running}
         tracked = list(self.controller.acceptance) if self.controller is not None else []
         keys = {w: self.draft_key(w) for w in tracked}
+        versions = {w: self.drafts[k].version if k is not None else None for w, k in keys.items()}
         for workload, slot in pending.items():
             if slot is None:
                 self.drafts.pop(workload, None)
@@ -334,7 +335,13 @@ class Engine:
             for w in tracked:
                 key = self.draft_key(w)
                 if key in pending or key != keys[w]:
-                    self.controller.draft_changed([w], self.drafts[key].expected if key is not None else None)
+                    slot = self.drafts[key] if key is not None else None
+                    self.controller.draft_changed(
+                        [w],
+                        slot.expected if slot is not None else None,
+                        slot.version if slot is not None else None,
+                        versions[w],
+                    )
         # a sequence whose draft changed starts an empty cache: rebuild it from its stored aux states
         for seq in self.running:
             key = self.draft_key(seq.workload)

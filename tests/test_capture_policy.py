@@ -69,7 +69,11 @@ class _Sync:
 def test_training_lasts_from_a_shift_until_the_trainer_saturates() -> None:
     signals, sync, now = _Signals(), _Sync(), [0.0]
     advise = TrainingAdvisor(signals, sync, clock=lambda: now[0])
+    assert advise("w")  # first sight: train until the trainer says there is nothing left to learn
+    sync.saturated["w"] = 5.0
     assert not advise("w")
+    restarted = TrainingAdvisor(signals, sync, clock=lambda: now[0])
+    assert not restarted("w")  # a node that starts beside a saturated trainer does not capture
     sync.saturated["w"] = -100.0  # saturated long before: says nothing about what comes
     now[0], signals.shift = 10.0, True
     assert advise("w")

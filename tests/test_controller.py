@@ -17,6 +17,8 @@ from tide.serving.sampling import SamplingParams
 
 # CPU-like: verifying more tokens costs little more than decoding one, drafting is cheap
 FLAT = StepProfile(1, {n: 0.020 + 0.0005 * (n - 1) for n in range(1, 10)}, 0.001)
+# this machine at batch 1: a draft that misses costs more than its verify pass saves
+CPU = StepProfile(1, {n: 0.016 + 0.0006 * (n - 1) for n in range(1, 10)}, 0.0015)
 # GPU-at-large-batch-like: every extra token per sequence costs almost a whole step
 STEEP = StepProfile(16, {n: 0.020 * n for n in range(1, 10)}, 0.004)
 
@@ -71,6 +73,23 @@ def test_a_new_draft_starts_from_what_the_gate_measured() -> None:
     assert c.choose(["unknown"]).gamma >= 1
 
 
+def test_a_draft_swapped_back_takes_up_what_was_measured_of_it() -> None:
+    c = Controller(ControllerConfig(max_gamma=4), [FLAT])
+    c.draft_changed(["fr"], version="code")
+    feed(c, "fr", 0, 4, 300)  # the code draft misses on French: off
+    assert c.choose(["fr"]).gamma == 0
+    c.draft_changed(["fr"], {1: 1.9, 2: 2.7}, version="mixed", replaced="code")
+    assert c.choose(["fr"]).gamma >= 2
+    # the new one fell short and the node rolled back: the code draft is still known to miss
+    c.draft_changed(["fr"], None, version="code", replaced="mixed")
+    assert c.choose(["fr"]).gamma == 0 and c.tracker("fr").seen[0] >= 300
+    # long gone: the gate's measurement on recent traffic is the better guess
+    c.cfg.remember_seconds = 0.0
+    c.draft_changed(["fr"], {1: 1.9, 2: 2.7}, version="mixed", replaced="code")
+    c.draft_changed(["fr"], {1: 1.9, 2: 2.7}, version="code", replaced="mixed")
+    assert c.choose(["fr"]).gamma >= 2 and c.tracker("fr").seen[0] == 0
+
+
 def test_shift_detector() -> None:
     c = Controller(ControllerConfig(max_gamma=4), [FLAT])
     feed(c, "w", 3, 4, 2000)
@@ -79,6 +98,37 @@ def test_shift_detector() -> None:
     assert not c.shifted("w")
     feed(c, "w", 0, 4, 200)  # the traffic changed: the draft suddenly misses
     assert c.shifted("w")
+
+
+def steps_to_stop(cfg: ControllerConfig) -> int:
+    c = Controller(cfg, [CPU])
+    feed(c, "w", 3, 4, 2000)
+    for n in range(1, 1000):
+        if c.best(["w"]).gamma == 0:
+            return n
+        feed(c, "w", 0, c.best(["w"]).gamma, 1)
+    return 1000
+
+
+def test_after_a_shift_speculation_stops_within_a_few_dozen_steps() -> None:
+    # the short average alone would take about a request (the horizon that keeps one hard request
+    # from looking like a shift); once the detector fires, gamma follows the very short one
+    assert (
+        steps_to_stop(ControllerConfig(max_gamma=4))
+        < 64
+        < steps_to_stop(ControllerConfig(max_gamma=4, recent_steps=128))
+    )
+
+
+def test_speculation_comes_back_after_a_few_checks_when_the_draft_pays_again() -> None:
+    c = Controller(ControllerConfig(max_gamma=4), [CPU])
+    feed(c, "w", 3, 4, 2000)
+    feed(c, "w", 0, 4, 300)  # off, far from paying: one token drafted in 128 steps
+    steps = 0
+    while not ((d := c.choose(["w"])).gamma and not d.explore) and steps < 1000:
+        c.observe(["w"], torch.tensor([d.gamma]), d.gamma, c.costs.step_time(1, d.gamma))  # all accepted
+        steps += 1
+    assert steps <= 2 * ControllerConfig().explore_far_every, steps  # each check stands for the steps between
 
 
 def test_step_times_are_corrected_by_measurements() -> None:

@@ -271,7 +271,7 @@ def serve(
         0.25, "--rollback-tolerance", help="live tau may fall this fraction below the gate's prediction"
     ),
     rollback_steps: int = typer.Option(
-        200, "--rollback-steps", help="sequence steps before a new draft is judged"
+        1000, "--rollback-steps", help="sequence steps before a new draft is judged"
     ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:

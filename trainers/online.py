@@ -74,6 +74,11 @@ class Candidate:
     gain: float  # held-out tau over the previous candidate's (or the start draft's), same examples
 
 
+def completion_positions(examples: list[Example]) -> int:
+    """Positions an evaluation counts: those predicting completion tokens."""
+    return sum(max(0, len(e.tokens) - e.learn_from) for e in examples)
+
+
 def keep_recent(
     examples: list[Example], positions: int, newer_than: float | None = None, floor: int = 0
 ) -> list[Example]:
@@ -281,7 +286,7 @@ class OnlineTrainer:
 
     def _vocab_stale(self) -> bool:
         """Has the traffic moved off the draft vocabulary (a shift the trainer sees in the tokens)?"""
-        positions = sum(len(ex.tokens) - ex.learn_from for ex in self._recent)
+        positions = completion_positions(self._recent)
         if (
             positions < self.cfg.vocab_warmup_positions // 2
             or self._since_refit < self.cfg.vocab_warmup_positions
