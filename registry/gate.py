@@ -63,8 +63,7 @@ class GateConfig:
     gamma_max: int = 4
     min_positions: int = 256  # held-out positions needed before any decision
     # held-out examples per workload: those of the last `held_out_seconds` (after a shift they must
-    # soon be the new traffic), at most `held_out_positions`, topped up to `min_positions` with older
-    # ones; a busy workload's decisions wait for `min_positions` of its own (`HeldOut.ready`)
+    # soon be the new traffic), at most `held_out_positions`, topped up to `min_positions` with older ones
     held_out_positions: int = 1536
     held_out_seconds: float = 120.0
     recall: int = 8  # earlier champions weighed against each candidate (a workload that comes back)
@@ -107,21 +106,6 @@ def parse_profile(raw: str | None) -> StepProfile | None:
         return None
 
 
-def ready_to_judge(
-    examples: list[Example], arrived: int, first_created: float, cfg: GateConfig, now: float
-) -> bool:
-    """Enough held-out positions to judge on, and enough of them from the window when the workload
-    is busy enough to fill it: just after a shift older traffic tops the set up, and a draft must
-    not be judged on what the workload was. The pace (`arrived` positions since the first record's
-    capture at `first_created`) tells a busy workload from a quiet one, which judges on what it has."""
-    if completion_positions(examples) < cfg.min_positions:
-        return False
-    since = now - cfg.held_out_seconds
-    fresh = completion_positions([e for e in examples if e.created_at >= since])
-    expected = arrived * cfg.held_out_seconds / max(now - first_created, cfg.held_out_seconds)
-    return fresh >= min(cfg.min_positions, expected / 2)
-
-
 class HeldOut:
     """A workload's most recent held-out examples, read from its topic."""
 
@@ -131,15 +115,11 @@ class HeldOut:
         self.examples: list[Example] = []
         self.arrived = 0  # positions read so far
         self.checked = 0  # `arrived` when the champion was last weighed against earlier ones
-        self.first_created = 0.0  # capture time of the first record read (its pace counts from there)
         self.consumer = RecordConsumer(cfg.bootstrap, [workload], f"tide-gate.{workload}", head.fingerprint)
 
     @property
     def positions(self) -> int:
         return completion_positions(self.examples)
-
-    def ready(self) -> bool:
-        return ready_to_judge(self.examples, self.arrived, self.first_created, self.cfg, time.time())
 
     def drain(self, budget_s: float = 5.0) -> list[Example]:
         deadline = time.monotonic() + budget_s
@@ -152,8 +132,6 @@ class HeldOut:
                     continue
                 ex = example_of(c.record, self.head.lm_head)
                 if ex is not None:
-                    if not self.first_created:
-                        self.first_created = ex.created_at
                     self.examples.append(ex)
                     self.arrived += len(ex.tokens) - ex.learn_from
         cfg = self.cfg
@@ -243,7 +221,7 @@ class Gate:
         champion (a workload that came back while its trainer had nothing new to publish)?"""
         alumni = _alumni(versions, champion, self.cfg.recall)
         fresh = held.arrived - held.checked >= self.cfg.recheck_positions
-        if champion is None or not alumni or not fresh or not held.ready():
+        if champion is None or not alumni or not fresh or held.positions < self.cfg.min_positions:
             return []
         held.checked = held.arrived
         profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
