@@ -190,13 +190,8 @@ class Gate:
         ]
         examples = held.examples
         positions = held.positions
-        if not held.ready():
-            log.debug(
-                "%s: %d held-out positions, waiting for %d recent ones",
-                rm.name,
-                positions,
-                self.cfg.min_positions,
-            )
+        if positions < self.cfg.min_positions:
+            log.debug("%s: %d held-out positions, waiting for %d", rm.name, positions, self.cfg.min_positions)
             return decisions
         held.checked = held.arrived
         profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
