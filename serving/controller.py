@@ -8,10 +8,13 @@ times. Each step it picks the gamma that maximises the running batch's predicted
 when none beats plain decoding. One step in `explore_every` drafts one token more than chosen (while
 speculation is off, one token in `explore_off_every` steps, rarer still far from paying), so the
 estimates stay current: speculation comes back as soon as a draft pays, and a depth that looked bad
-once is tried again. A new draft starts from what the gate measured of it on recent traffic.
+once is tried again (a check while off counts for the steps it stands for). A new draft starts
+from what the gate measured of it on recent traffic; one swapped back in soon after it left takes
+up what was measured of it live.
 
 The short average falling below the long one is the paper's shift detector: the workload's
-traffic changed under its draft. Then, or when the workload's draft stops paying, the
+traffic changed under its draft, and the short average drops to a very short one, so gamma
+follows at once. Then, or when the workload's draft stops paying, the
 `capture.TrainingAdvisor` turns capture (and so training) on.
 """
 
