@@ -114,9 +114,9 @@ class CapturePolicy:
 class TrainingAdvisor:
     """Decides `auto` capture: a workload needs training from the moment its acceptance shifts or
     its draft stops paying (the controller) until its trainer's candidates stop improving held-out
-    tau after that moment (the draft sync). With a draft sync, the first request of a workload is
-    such a moment too: nothing says yet that its trainer has nothing left to learn from this traffic. Only a new such
-    moment starts capture again, so a draft that cannot be made to pay is not trained forever."""
+    tau after that moment (the draft sync). With a draft sync, a workload's first request is such a
+    moment too: nothing says yet that its trainer has nothing left to learn from this traffic. Only a
+    new such moment starts capture again, so a draft that cannot be made to pay is not trained forever."""
 
     def __init__(
         self, controller: Controller, sync: DraftSync | None, clock: Callable[[], float] = time.time

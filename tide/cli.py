@@ -268,10 +268,14 @@ def serve(
         None, "--node", envvar="TIDE_NODE", help="this node's name in registry tags (default: host:port)"
     ),
     rollback_tolerance: float = typer.Option(
-        0.25, "--rollback-tolerance", help="live tau may fall this fraction below the gate's prediction"
+        0.25,
+        "--rollback-tolerance",
+        min=0.0,
+        max=1.0,
+        help="live tau may fall this fraction below the gate's prediction",
     ),
     rollback_steps: int = typer.Option(
-        1000, "--rollback-steps", help="sequence steps before a new draft is judged"
+        1000, "--rollback-steps", min=1, help="sequence steps before a new draft is judged"
     ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
