@@ -5,8 +5,10 @@ serving that workload (its champion, else the `default` workload's champion) are
 same held-out records: tau for gamma = 1..gamma_max (greedy chain, from the target's own states),
 and the cost model's speedup at the step times a serving node last measured (the registered
 model's `serving.profile` tag). The score is the best speedup over gamma, or tau at the serving
-gamma while no node has published a profile. A candidate is promoted when it passes the minimum
-and beats the baseline by the margin; the old champion moves to `previous`. Every decision leaves
+gamma while no node has published a profile. A candidate is promoted when it passes the minimum,
+beats the baseline by the margin, and its tau gain is significant: `confidence` standard errors
+above zero, the held-out examples compared in pairs (a couple of lucky examples promote nothing).
+The old champion moves to `previous`. Every decision leaves
 its figures and reason as `gate.*` tags on the version.
 
 Held-out records are those of requests the trainers never learn from (`store.is_held_out`), read
@@ -19,6 +21,7 @@ without one, against the champion: a workload that comes back gets its old draft
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -57,6 +60,10 @@ class GateConfig:
     bootstrap: str  # Kafka: the held-out records
     cache_dir: Path  # downloaded versions
     margin: float = 0.02  # the candidate's score must beat the baseline's by this fraction
+    # ... and its tau gain must stand this many standard errors above zero, examples as paired units:
+    # on thin held-out data (a quiet workload, just after a shift) a lucky draft is not promoted.
+    # (replayed on two shift runs, 1.64 refused three more candidates, all better in the minutes after)
+    confidence: float = 1.0
     min_speedup: float = 1.0  # predicted speedup over no speculation the candidate must reach
     min_tau: float = 1.2  # without a serving profile: tokens per step at `gamma` to reach
     gamma: int = 4  # the serving gamma, used while no profile is known
@@ -76,6 +83,8 @@ class Evaluation:
     version: str
     tau: list[float]  # gamma = 1..gamma_max
     speedup: list[float] | None  # the same, through the cost model (None: no profile)
+    accepted: torch.Tensor  # (examples, gamma_max): drafts accepted, summed over each example's anchors
+    anchors: torch.Tensor  # (examples,)
 
     @property
     def best_gamma(self) -> int:
@@ -85,6 +94,28 @@ class Evaluation:
     def score(self, gamma: int) -> float:
         """Best predicted speedup; without a profile, tau at the serving gamma."""
         return max(self.speedup) if self.speedup is not None else self.tau[gamma - 1]
+
+    def gain_over(self, other: Evaluation, gamma: int) -> tuple[float, float]:
+        """Tau gain at gamma over `other`, evaluated on the same examples, and its standard error with
+        the examples as paired units (positions within one are not independent draws)."""
+        n = self.anchors.double()
+        d = (self.accepted[:, gamma - 1] - other.accepted[:, gamma - 1]).double()[n > 0]
+        n = n[n > 0]
+        total = float(n.sum())
+        if not total:
+            return 0.0, math.inf
+        gain = float(d.sum()) / total
+        k = len(n)
+        if k < 2:
+            return gain, math.inf
+        spread = float(((d - gain * n) ** 2).sum()) * k / (k - 1)
+        return gain, math.sqrt(spread) / total
+
+    def beats(self, other: Evaluation, z: float) -> tuple[bool, str]:
+        """Whether the tau gain at this draft's best gamma stands z standard errors above zero."""
+        g = self.best_gamma
+        gain, se = self.gain_over(other, g)
+        return gain - z * se > 0, f"tau gain {gain:+.3f} at gamma {g}, standard error {se:.3f}"
 
 
 @dataclass
@@ -226,7 +257,7 @@ class Gate:
             log.warning("champion %s v%s unusable for a recheck: %s", rm.name, champion.version, e)
             return []
         gamma = self.cfg.gamma
-        recalled = self._recall(alumni, held.examples, profile, now.score(gamma) * (1 + self.cfg.margin))
+        recalled = self._recall(alumni, held.examples, profile, now.score(gamma) * (1 + self.cfg.margin), now)
         if recalled is None:
             return []
         mv, old = recalled
@@ -284,7 +315,7 @@ class Gate:
         score = ev.score(gamma)
         minimum, unit = (self.cfg.min_speedup, "speedup") if profile else (self.cfg.min_tau, f"tau@{gamma}")
         needed = max(minimum, base.score(gamma) * (1 + self.cfg.margin) if base is not None else 0.0)
-        recalled = self._recall(alumni, examples, profile, max(score, needed))
+        recalled = self._recall(alumni, examples, profile, max(score, needed), base or ev)
         if recalled is not None:
             mv, old = recalled
             reason = f"{unit} {score:.3f}, but earlier champion v{mv.version} has {old.score(gamma):.3f}"
@@ -296,6 +327,13 @@ class Gate:
             reason = (f"{unit} {score:.3f} does not beat the baseline's {base.score(gamma):.3f} "
                       f"by {self.cfg.margin:.0%} (needs {needed:.3f})")  # fmt: skip
             return self._record(cand, "refused", reason, tags)
+        if base is not None:
+            sure, gain = ev.beats(base, self.cfg.confidence)
+            tags["gate.gain"] = gain
+            if not sure:
+                reason = (f"{unit} {score:.3f} over the baseline's {base.score(gamma):.3f}, but {gain} "
+                          f"on {len(examples)} examples: under {self.cfg.confidence:g} standard errors")  # fmt: skip
+                return self._record(cand, "refused", reason, tags)
         self._promote(rm, champion, cand)
         over = f"baseline {base.score(gamma):.3f}" if base is not None else "no baseline"
         return self._record(cand, "promoted", f"{unit} {score:.3f} (over {over})", tags)
@@ -307,11 +345,16 @@ class Gate:
         self.client.set_registered_model_alias(rm.name, CHAMPION, mv.version)
 
     def _recall(
-        self, alumni: Sequence[ModelVersion], examples: list[Example], profile: StepProfile | None, bar: float
+        self,
+        alumni: Sequence[ModelVersion],
+        examples: list[Example],
+        profile: StepProfile | None,
+        bar: float,
+        serving: Evaluation,
     ) -> tuple[ModelVersion, Evaluation] | None:
         """The best earlier champion above `bar` (the candidate's score and what promotion needs) on
-        today's held-out traffic: a workload that comes back finds its draft again at once, instead
-        of waiting for the trainer to relearn it."""
+        today's held-out traffic, and surely better than what serves now: a workload that comes back
+        finds its draft again at once, instead of waiting for the trainer to relearn it."""
         best: tuple[ModelVersion, Evaluation] | None = None
         for mv in alumni:
             try:
@@ -319,7 +362,8 @@ class Gate:
             except (ArtifactRefused, DraftLoadError, DraftMismatchError, OSError) as e:
                 log.warning("earlier champion %s v%s unusable: %s", mv.name, mv.version, e)
                 continue
-            if ev.score(self.cfg.gamma) > max(bar, best[1].score(self.cfg.gamma) if best else 0.0):
+            better = ev.score(self.cfg.gamma) > max(bar, best[1].score(self.cfg.gamma) if best else 0.0)
+            if better and ev.beats(serving, self.cfg.confidence)[0]:
                 best = (mv, ev)
         return best
 
@@ -351,7 +395,7 @@ class Gate:
         speedup = None
         if profile is not None:
             speedup = [profile.speedup_at(t, g) for g, t in enumerate(m.tau, start=1)]
-        return Evaluation(str(mv.version), m.tau, speedup)
+        return Evaluation(str(mv.version), m.tau, speedup, m.accepted, m.anchors)
 
     def _record(self, mv: ModelVersion, decision: str, reason: str, tags: dict[str, str]) -> Decision:
         all_tags = {**tags, "gate.decision": decision, "gate.reason": reason, "gate.time": _now()}

@@ -14,7 +14,7 @@ from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_head
-from tide.registry.gate import Gate, GateConfig
+from tide.registry.gate import Evaluation, Gate, GateConfig
 from tide.registry.store import PROFILE_TAG
 from tide.serving.cost_model import measure_profile
 
@@ -67,6 +67,7 @@ def test_gate_promotes_better_refuses_worse_and_broken(
     tags = _decide(gate, reg)
     assert tags["gate.decision"] == "promoted", tags["gate.reason"]
     assert float(tags["gate.score"]) > float(tags["gate.baseline.score"])
+    assert tags["gate.gain"].startswith("tau gain +")  # over eight held-out requests: significant
     assert tags["gate.baseline"].endswith(f"v{weak.version}")
     assert reg.alias("champion") == str(good.version) and reg.alias("previous") == str(weak.version)
     assert reg.tags(good) == {**reg.tags(good), **tags}  # the evidence is on the version
@@ -151,3 +152,29 @@ def test_gate_brings_an_earlier_champion_back_when_its_traffic_comes_back(
     assert reg.alias("champion") == good and reg.alias("previous") == weak
     tags = reg.tags(reg.client.get_model_version(reg.name, good))
     assert f"champion v{weak}" in tags["gate.recall.reason"] and float(tags["gate.recall.score"]) > 1.0
+
+
+def _evaluation(accepted: list[int], anchors: list[int]) -> Evaluation:
+    acc = torch.tensor(accepted).unsqueeze(-1).repeat(1, 4)  # the same at every gamma
+    n = torch.tensor(anchors)
+    tau = [1.0 + float(acc[:, 0].sum()) / float(n.sum())] * 4
+    return Evaluation("1", tau, None, acc, n)
+
+
+def test_a_gain_on_a_few_examples_is_not_significant() -> None:
+    z = GateConfig("", "", Path()).confidence
+    base = _evaluation([40] * 8, [64] * 8)
+    # the same mean gain (+0.109 tokens per step): from one example that happened to suit the
+    # candidate, or from all eight
+    lucky = _evaluation([104, 32, 40, 40, 40, 40, 40, 40], [64] * 8)
+    steady = _evaluation([47] * 8, [64] * 8)
+    assert (
+        lucky.gain_over(base, 3)[0] == pytest.approx(steady.gain_over(base, 3)[0]) == pytest.approx(56 / 512)
+    )
+    assert not lucky.beats(base, z)[0]
+    assert steady.beats(base, z)[0]
+    # examples without anchors (prompt chunks) count for nothing; one example alone proves nothing
+    assert lucky.gain_over(base, 3) == _evaluation(
+        [104, 32, 40, 40, 40, 40, 40, 40, 0], [64] * 8 + [0]
+    ).gain_over(_evaluation([40] * 9, [64] * 8 + [0]), 3)
+    assert not _evaluation([64], [64]).beats(_evaluation([0], [64]), z)[0]

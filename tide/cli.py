@@ -348,6 +348,12 @@ def gate(
     margin: float = typer.Option(
         0.02, "--margin", help="fraction by which a candidate must beat the baseline"
     ),
+    confidence: float = typer.Option(
+        1.0,
+        "--confidence",
+        min=0.0,
+        help="standard errors the candidate's tau gain must stand above zero (held-out examples paired)",
+    ),
     min_speedup: float = typer.Option(1.0, "--min-speedup", help="predicted speedup a candidate must reach"),
     min_tau: float = typer.Option(
         1.2, "--min-tau", help="tokens per step to reach while no profile is known"
@@ -368,7 +374,7 @@ def gate(
     with _clear_errors():
         head = load_head(model)
         cfg = GateConfig(
-            mlflow, kafka, cache_dir() / "gate", margin=margin, min_speedup=min_speedup, min_tau=min_tau,
+            mlflow, kafka, cache_dir() / "gate", margin=margin, confidence=confidence, min_speedup=min_speedup, min_tau=min_tau,
             gamma=gamma, gamma_max=max(4, gamma), min_positions=min_positions, held_out_seconds=held_out_seconds,
         )  # fmt: skip
         g = Gate(cfg, head)

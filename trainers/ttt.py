@@ -65,6 +65,10 @@ class Metrics:
     loss: float
     top1: list[float]  # per step: draft argmax == target argmax, over learnable positions
     tau: list[float]  # simulated tokens per target step for gamma = 1..ttt_steps (greedy chain)
+    # per example: drafts the greedy chain accepts at gamma = 1..ttt_steps, summed over its anchors,
+    # and its anchors; what a paired comparison of two drafts on the same examples needs
+    accepted: torch.Tensor  # (examples, ttt_steps)
+    anchors: torch.Tensor  # (examples,)
 
 
 def select_vocab(
@@ -171,18 +175,22 @@ def ttt_forward(
     return total, corrects, valids
 
 
-def chain_tau(corrects: list[torch.Tensor], valids: list[torch.Tensor]) -> list[float]:
-    """Greedy chain acceptance: tau(gamma) = 1 + sum_k P(first k drafts all accepted)."""
-    base = valids[-1]  # anchors where every step has a target
-    if not bool(base.any()):
-        return [1.0] * len(corrects)
-    alive = base.clone()
-    taus, acc = [], 1.0
+def chain_accepted(corrects: list[torch.Tensor], valids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain acceptance per sequence: drafts accepted at gamma = 1..steps summed over its
+    anchors (positions where every step has a target), (B, steps); and its anchors, (B,)."""
+    anchors = valids[-1]
+    alive = anchors.clone()
+    accepted = []
     for c in corrects:
         alive = alive & c
-        acc += float(alive.sum()) / float(base.sum())
-        taus.append(acc)
-    return taus
+        accepted.append(alive.sum(-1))
+    return torch.stack(accepted, -1).cumsum(-1), anchors.sum(-1)
+
+
+def chain_tau(accepted: torch.Tensor, anchors: torch.Tensor) -> list[float]:
+    """tau(gamma) = 1 + sum_k P(first k drafts all accepted), over all anchors."""
+    n = float(anchors.sum())
+    return [1.0 + float(a) / n if n else 1.0 for a in accepted.sum(0)]
 
 
 class Trainer:
@@ -226,7 +234,8 @@ class Trainer:
 @torch.no_grad()
 def evaluate(draft: Eagle3Draft, lm_head: torch.Tensor, examples: list[Example], cfg: TrainConfig) -> Metrics:
     """Held-out metrics of a draft (in eval mode, on lm_head's device): loss, top-1 and chain tau."""
-    losses, corrects, valids = [], [], []
+    losses, accepted, anchors = [], [], []
+    hits, counts = torch.zeros(cfg.ttt_steps), torch.zeros(cfg.ttt_steps)
     for i in range(0, len(examples), cfg.batch_size):
         batch = {
             k: v.to(lm_head.device, non_blocking=True)
@@ -234,10 +243,12 @@ def evaluate(draft: Eagle3Draft, lm_head: torch.Tensor, examples: list[Example],
         }
         loss, c, v = ttt_forward(draft, lm_head, batch, cfg.ttt_steps, cfg.step_weight)
         losses.append(float(loss))
-        corrects.append(c)
-        valids.append(v)
-    steps = cfg.ttt_steps
-    flat_c = [torch.cat([c[k].flatten() for c in corrects]) for k in range(steps)]
-    flat_v = [torch.cat([v[k].flatten() for v in valids]) for k in range(steps)]
-    top1 = [float((c & v).sum()) / max(1.0, float(v.sum())) for c, v in zip(flat_c, flat_v, strict=True)]
-    return Metrics(sum(losses) / max(1, len(losses)), top1, chain_tau(flat_c, flat_v))
+        hits += torch.stack([ck.sum() for ck in c]).cpu()
+        counts += torch.stack([vk.sum() for vk in v]).cpu()
+        a, n = chain_accepted(c, v)
+        accepted.append(a.cpu())
+        anchors.append(n.cpu())
+    top1 = (hits / counts.clamp(min=1)).tolist()
+    acc = torch.cat(accepted) if accepted else torch.zeros(0, cfg.ttt_steps, dtype=torch.long)
+    n = torch.cat(anchors) if anchors else torch.zeros(0, dtype=torch.long)
+    return Metrics(sum(losses) / max(1, len(losses)), top1, chain_tau(acc, n), acc, n)
