@@ -315,7 +315,9 @@ class Gate:
         score = ev.score(gamma)
         minimum, unit = (self.cfg.min_speedup, "speedup") if profile else (self.cfg.min_tau, f"tau@{gamma}")
         needed = max(minimum, base.score(gamma) * (1 + self.cfg.margin) if base is not None else 0.0)
-        recalled = self._recall(alumni, examples, profile, max(score, needed), base or ev)
+        recalled = self._recall(
+            alumni, examples, profile, max(score, needed), base if base is not None else ev
+        )
         if recalled is not None:
             mv, old = recalled
             reason = f"{unit} {score:.3f}, but earlier champion v{mv.version} has {old.score(gamma):.3f}"

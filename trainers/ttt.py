@@ -175,7 +175,9 @@ def ttt_forward(
     return total, corrects, valids
 
 
-def chain_accepted(corrects: list[torch.Tensor], valids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def chain_accepted(
+    corrects: list[torch.Tensor], valids: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy chain acceptance per sequence: drafts accepted at gamma = 1..steps summed over its
     anchors (positions where every step has a target), (B, steps); and its anchors, (B,)."""
     anchors = valids[-1]

@@ -216,18 +216,19 @@ def _run(
     total = cfg.phase_seconds * len(phases)
     try:
         with tqdm(total=int(total), desc="bench shift", unit="s") as bar:
-            version, rollbacks = start.version, 0
+            version = str(start.version)
             while (now := time.perf_counter() - t0) < total:
                 phase = int(now // cfg.phase_seconds)
                 for s in systems:
                     s.serve(phase, str(cfg.schedule[phase]), phases[phase], t0, cfg.slot_seconds, params)
                 following = sync.following.get(WORKLOAD)
-                if following is not None and following.version != str(version):
-                    kind = "rollback" if sync.stats.rollbacks > rollbacks else "promotion"
+                if following is not None and following.version != version:
+                    # the node refuses a version it rolls back before it swaps (its counter comes after)
+                    kind = "rollback" if (following.name, version) in sync.refused else "promotion"
                     tags = client.get_model_version(following.name, following.version).tags or {}
                     if kind == "promotion" and "gate.recall.time" in tags:
                         kind = "recall"  # the gate brought an earlier champion back
-                    rollbacks, version = sync.stats.rollbacks, following.version
+                    version = following.version
                     events.append({"t": time.perf_counter() - t0, kind: version, "phase": phase})
                 recent = [[x for x in s.slots if x.start >= now - cfg.window_seconds] for s in systems]
                 base = _tokens_per_s(recent[0]) or 1.0  # nothing decoded yet: show zeros, not a crash

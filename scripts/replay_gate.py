@@ -1,0 +1,96 @@
+"""Were the gate's decisions in a shift run right? Replays them against what came after.
+
+Run after `tide bench shift --work-dir DIR`: `python scripts/replay_gate.py DIR > decisions.jsonl`.
+It restarts the run's Kafka broker and MLflow server on their folders. For each candidate the gate
+decided against a baseline, it prints one JSON line: the decision, the paired tau gain over the
+baseline and its standard error on the held-out records the gate judged on (those of the two
+minutes before the decision, as the gate keeps them), and both drafts' tau on the traffic of the
+three minutes after it. That later traffic counts only requests no trainer had learnt from before
+they were served (held-out ones, and a prompt's first request): a draft that learnt a prompt's text
+is not judged on it coming again. A promotion was right when `after_gain` is positive.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from tide.infra.kafka.broker import KafkaBroker
+from tide.infra.mlflow.server import MlflowServer
+from tide.models.loader import TargetHead, load_head
+from tide.producers.consumer import RecordConsumer
+from tide.registry.gate import Gate, GateConfig, parse_profile
+from tide.registry.store import PROFILE_TAG, is_held_out
+from tide.trainers.online import example_of, keep_recent
+from tide.trainers.ttt import Example
+
+AFTER_SECONDS = 180.0
+
+
+def read_records(bootstrap: str, head: TargetHead, workload: str) -> list[tuple[str, Example]]:
+    """Every record of the workload's topic, oldest first, with its request id."""
+    consumer = RecordConsumer(bootstrap, [workload], f"replay-{time.time()}", head.fingerprint)
+    out: list[tuple[str, Example]] = []
+    empty = 0
+    while empty < (3 if out else 20):  # the first polls wait for the group to form
+        batch = consumer.poll(512, 3.0)
+        empty = 0 if batch else empty + 1
+        for c in batch:
+            ex = example_of(c.record, head.lm_head)
+            if ex is not None:
+                out.append((c.record.request_id, ex))
+    consumer.close()
+    return sorted(out, key=lambda r: r[1].created_at)
+
+
+def main(work: Path, workload: str = "default") -> None:
+    head = load_head()
+    with KafkaBroker(work / "kafka") as kafka, MlflowServer(work / "mlflow") as registry:
+        records = read_records(kafka.bootstrap, head, workload)
+        cfg = GateConfig(registry.url, kafka.bootstrap, Path(tempfile.mkdtemp(prefix="replay-gate-")))
+        gate = Gate(cfg, head)
+        client = MlflowClient(registry.url)
+        for rm in client.search_registered_models():
+            profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
+            versions = {v.version: v for v in client.search_model_versions(f"name = '{rm.name}'")}
+            for v in sorted(versions.values(), key=lambda v: int(v.version)):
+                tags = v.tags or {}
+                baseline = tags.get("gate.baseline", "none")
+                if tags.get("gate.decision") not in ("promoted", "refused") or baseline == "none":
+                    continue
+                base = versions[baseline.rsplit(" v", 1)[1]]
+                when = datetime.strptime(tags["gate.time"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+                seen = [ex for rid, ex in records if ex.created_at <= when and is_held_out(rid)]
+                held = keep_recent(
+                    seen, cfg.held_out_positions, when - cfg.held_out_seconds, cfg.min_positions
+                )
+                after = [
+                    ex for rid, ex in records
+                    if when < ex.created_at <= when + AFTER_SECONDS and (is_held_out(rid) or "-again" not in rid)
+                ]  # fmt: skip
+                if not held or not after:
+                    continue
+                cand, old = gate.evaluate(v, held, profile), gate.evaluate(base, held, profile)
+                gamma = cand.best_gamma
+                gain, se = cand.gain_over(old, gamma)
+                cand_after, old_after = gate.evaluate(v, after, profile), gate.evaluate(base, after, profile)
+                row = {
+                    "version": v.version, "baseline": base.version, "decision": tags["gate.decision"],
+                    "reason": tags.get("gate.reason", ""), "held_out_examples": len(held), "gamma": gamma,
+                    "gain": round(gain, 4), "standard_error": round(se, 4), "z": round(gain / se, 2) if se else None,
+                    "after_examples": len(after), "after_tau": round(cand_after.tau[gamma - 1], 4),
+                    "after_baseline_tau": round(old_after.tau[gamma - 1], 4),
+                    "after_gain": round(cand_after.gain_over(old_after, gamma)[0], 4),
+                }  # fmt: skip
+                print(json.dumps(row), flush=True)
+        gate.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), *sys.argv[2:])
