@@ -4,7 +4,8 @@ Run after `tide bench shift --work-dir DIR`: `python scripts/replay_gate.py DIR 
 It restarts the run's Kafka broker and MLflow server on their folders. For each candidate the gate
 decided against a baseline, it prints one JSON line: the decision, the paired tau gain over the
 baseline and its standard error on the held-out records the gate judged on (those of the two
-minutes before the decision, as the gate keeps them), and both drafts' tau on the traffic of the
+minutes before the decision, as the gate keeps them; `z` with 64-position records as the paired
+units, as the gate pairs them, `z_requests` with whole requests), and both drafts' tau on the traffic of the
 three minutes after it. That later traffic counts only requests no trainer had learnt from before
 they were served (held-out ones, and a prompt's first request): a draft that learnt a prompt's text
 is not judged on it coming again. A promotion was right when `after_gain` is positive.
@@ -19,13 +20,14 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import torch
 from mlflow import MlflowClient
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.models.loader import TargetHead, load_head
 from tide.producers.consumer import RecordConsumer
-from tide.registry.gate import Gate, GateConfig, parse_profile
+from tide.registry.gate import Evaluation, Gate, GateConfig, parse_profile
 from tide.registry.store import PROFILE_TAG, is_held_out
 from tide.trainers.online import example_of, keep_recent
 from tide.trainers.ttt import Example
@@ -49,6 +51,21 @@ def read_records(bootstrap: str, head: TargetHead, workload: str) -> list[tuple[
     return sorted(out, key=lambda r: r[1].created_at)
 
 
+def by_request(ev: Evaluation, requests: list[str]) -> Evaluation:
+    """The same evaluation with each request's pieces summed: requests as the paired units."""
+    ids = {r: i for i, r in enumerate(dict.fromkeys(requests))}
+    index = torch.tensor([ids[r] for r in requests])
+    accepted = torch.zeros(len(ids), ev.accepted.shape[1], dtype=ev.accepted.dtype)
+    anchors = torch.zeros(len(ids), dtype=ev.anchors.dtype)
+    return Evaluation(
+        ev.version,
+        ev.tau,
+        ev.speedup,
+        accepted.index_add_(0, index, ev.accepted),
+        anchors.index_add_(0, index, ev.anchors),
+    )
+
+
 def main(work: Path, workload: str = "default") -> None:
     head = load_head()
     with KafkaBroker(work / "kafka") as kafka, MlflowServer(work / "mlflow") as registry:
@@ -66,10 +83,14 @@ def main(work: Path, workload: str = "default") -> None:
                     continue
                 base = versions[baseline.rsplit(" v", 1)[1]]
                 when = datetime.strptime(tags["gate.time"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
-                seen = [ex for rid, ex in records if ex.created_at <= when and is_held_out(rid)]
+                seen = [(rid, ex) for rid, ex in records if ex.created_at <= when and is_held_out(rid)]
                 held = keep_recent(
-                    seen, cfg.held_out_positions, when - cfg.held_out_seconds, cfg.min_positions
+                    [ex for _, ex in seen],
+                    cfg.held_out_positions,
+                    when - cfg.held_out_seconds,
+                    cfg.min_positions,
                 )
+                requests = [rid for rid, _ in seen[len(seen) - len(held) :]]  # keep_recent keeps the newest
                 after = [
                     ex for rid, ex in records
                     if when < ex.created_at <= when + AFTER_SECONDS and (is_held_out(rid) or "-again" not in rid)
@@ -79,11 +100,13 @@ def main(work: Path, workload: str = "default") -> None:
                 cand, old = gate.evaluate(v, held, profile), gate.evaluate(base, held, profile)
                 gamma = cand.best_gamma
                 gain, se = cand.gain_over(old, gamma)
+                se_requests = by_request(cand, requests).gain_over(by_request(old, requests), gamma)[1]
                 cand_after, old_after = gate.evaluate(v, after, profile), gate.evaluate(base, after, profile)
                 row = {
                     "version": v.version, "baseline": base.version, "decision": tags["gate.decision"],
                     "reason": tags.get("gate.reason", ""), "held_out_examples": len(held), "gamma": gamma,
                     "gain": round(gain, 4), "standard_error": round(se, 4), "z": round(gain / se, 2) if se else None,
+                    "requests": len(set(requests)), "z_requests": round(gain / se_requests, 2) if se_requests else None,
                     "after_examples": len(after), "after_tau": round(cand_after.tau[gamma - 1], 4),
                     "after_baseline_tau": round(old_after.tau[gamma - 1], 4),
                     "after_gain": round(cand_after.gain_over(old_after, gamma)[0], 4),

@@ -9,13 +9,16 @@ decoding one. T and the draft time are measured on the machine that serves, neve
 from __future__ import annotations
 
 import json
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 
-from tide.models.eagle3 import Eagle3Draft
-from tide.models.llama import Batch, LlamaModel
+from tide.models.eagle3 import DraftKV, Eagle3Draft
+from tide.models.llama import Batch, KVCache, LlamaModel
 
 
 def expected_tokens(alphas: list[float], gamma: int) -> float:
@@ -68,16 +71,6 @@ class StepProfile:
         return tau / (c_gamma + beta)
 
 
-def _median_time(fn: object, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()  # type: ignore[operator]
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
-
-
 @torch.inference_mode()
 def measure_profile(
     model: LlamaModel,
@@ -87,30 +80,43 @@ def measure_profile(
     max_tokens: int,
     repeats: int = 9,
 ) -> StepProfile:
-    """Time target forwards of 1..max_tokens tokens per sequence and one draft step, at `context` positions."""
+    """Time target forwards of 1..max_tokens tokens per sequence and one draft step, at `context`
+    positions: the median of `repeats` rounds, each timing every one of them once. A burst of
+    contention (a process starting beside the node) then slows every size alike instead of a few,
+    and the ratios between them, which decide whether speculation pays, stay right."""
     cap = context + max_tokens + 2
     cache = model.new_cache(batch_size, cap)
-    target: dict[int, float] = {}
+    runs: dict[str, Callable[[], object]] = {}
     for n in range(1, max_tokens + 1):
         tokens = torch.randint(0, model.cfg.vocab_size, (batch_size, n))
         pos = context + torch.arange(n).repeat(batch_size, 1)
         batch = Batch.make(0, pos, None, cap)
-
-        def run(tokens: torch.Tensor = tokens, batch: Batch = batch) -> None:
-            model.logits(model(tokens, batch, cache, True).hidden).argmax(-1)
-
-        run()
-        target[n] = _median_time(run, repeats)
-    draft_step = 0.0
+        runs[str(n)] = partial(_target_step, model, tokens, batch, cache)
     if draft is not None:
         dcache = draft.new_cache(batch_size, cap, model.dtype)
         hidden = torch.randn(batch_size, 1, model.cfg.hidden_size, dtype=model.dtype)
         tokens = torch.randint(0, model.cfg.vocab_size, (batch_size, 1))
         batch = Batch.make(0, torch.full((batch_size, 1), context), None, cap)
-
-        def step() -> None:
-            draft.logits(draft(hidden, tokens, batch, dcache)).argmax(-1)
-
-        step()
-        draft_step = _median_time(step, repeats)
+        runs["draft"] = partial(_draft_step, draft, hidden, tokens, batch, dcache)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for run in runs.values():
+        run()  # warm-up
+    for _ in range(repeats):
+        for k, run in runs.items():
+            t = time.perf_counter()
+            run()
+            times[k].append(time.perf_counter() - t)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    target = {n: median[str(n)] for n in range(1, max_tokens + 1)}
+    draft_step = median.get("draft", 0.0)
     return StepProfile(batch_size, target, draft_step)
+
+
+def _target_step(model: LlamaModel, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> None:
+    model.logits(model(tokens, batch, cache, True).hidden).argmax(-1)
+
+
+def _draft_step(
+    draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, batch: Batch, cache: DraftKV
+) -> None:
+    draft.logits(draft(hidden, tokens, batch, cache)).argmax(-1)
