@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from mlflow import MlflowClient
 
+from tide.bench.shift import AGAIN
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.models.loader import TargetHead, load_head
@@ -67,6 +68,10 @@ def by_request(ev: Evaluation, requests: list[str]) -> Evaluation:
 
 
 def main(work: Path, workload: str = "default") -> None:
+    if not (work / "kafka" / "ports.json").is_file() or not (work / "mlflow" / "mlflow.db").is_file():
+        sys.exit(
+            f"{work} is not the --work-dir of a finished `tide bench shift` (no kafka/ or mlflow/ state)"
+        )
     head = load_head()
     with KafkaBroker(work / "kafka") as kafka, MlflowServer(work / "mlflow") as registry:
         records = read_records(kafka.bootstrap, head, workload)
@@ -93,7 +98,7 @@ def main(work: Path, workload: str = "default") -> None:
                 requests = [rid for rid, _ in seen[len(seen) - len(held) :]]  # keep_recent keeps the newest
                 after = [
                     ex for rid, ex in records
-                    if when < ex.created_at <= when + AFTER_SECONDS and (is_held_out(rid) or "-again" not in rid)
+                    if when < ex.created_at <= when + AFTER_SECONDS and (is_held_out(rid) or AGAIN not in rid)
                 ]  # fmt: skip
                 if not held or not after:
                     continue

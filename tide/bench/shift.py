@@ -42,6 +42,7 @@ from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 
 WORKLOAD = "default"
+AGAIN = "-again"  # in the id of a request whose prompt came before
 
 
 @dataclass
@@ -76,7 +77,7 @@ def request_id(workload: str, i: int, n: int) -> str:
     if i < n:
         return first
     want = is_held_out(first)
-    return next(rid for j in itertools.count() if is_held_out(rid := f"{first}-again{i // n}.{j}") == want)
+    return next(rid for j in itertools.count() if is_held_out(rid := f"{first}{AGAIN}{i // n}.{j}") == want)
 
 
 @dataclass
