@@ -439,4 +439,7 @@ def _figures(prefix: str, ev: Evaluation, gamma: int) -> dict[str, str]:
 def _describe(profile: StepProfile | None) -> str:
     if profile is None:
         return "none (no serving node has published step times)"
-    return f"batch {profile.batch_size}: T(1) {profile.target[1] * 1e3:.1f} ms, draft {profile.draft_step * 1e3:.2f} ms"
+    return (
+        f"batch {profile.batch_size}: T(1) {profile.target[1] * 1e3:.1f} ms, "
+        f"draft {profile.drafting(1) * 1e3:.2f} ms then {(profile.drafting(2) - profile.drafting(1)) * 1e3:.2f} ms"
+    )

@@ -12,9 +12,12 @@ once is tried again (a check while off counts for the steps it stands for). A ne
 from what the gate measured of it on recent traffic; one swapped back in soon after it left takes
 up what was measured of it live.
 
-The short average falling below the long one is the paper's shift detector: the workload's
-traffic changed under its draft, and the short average drops to a very short one, so gamma
-follows at once. Then, or when the workload's draft stops paying, the
+Gamma is chosen from the long average: acceptance swings from request to request, and a short
+average mostly chases that noise (on code it drafted one token a third of the time and served 4%
+slower than a fixed gamma of 3). The short average falling well below the long one is the paper's
+shift detector: the workload's traffic changed under its draft, the short average drops to a very
+short one, and gamma follows it at once; so it does while the short one stands well above the long
+one (a draft that fits came back). Then, or when the workload's draft stops paying, the
 `capture.TrainingAdvisor` turns capture (and so training) on.
 """
 
@@ -75,6 +78,8 @@ class Acceptance:
     long: list[float] = field(init=False)
     recent: list[float] = field(init=False)
     shifted: bool = field(init=False)  # the detector's verdict after the last update
+    # short and long disagree by a shift's margin, either way: gamma follows the short one
+    moved: bool = field(init=False)
     seen: list[int] = field(init=False)  # attempts observed at each depth
     known: int = field(init=False)  # depths with a rate of their own (observed or given)
 
@@ -91,7 +96,7 @@ class Acceptance:
         self.long = list(self.short)
         self.recent = list(self.short)
         self.seen = [0] * self.max_gamma
-        self.shifted = False
+        self.shifted = self.moved = False
 
     def update(
         self, accepted: list[int], gamma: int, short_h: float, long_h: float, recent_h: float, span: int = 1
@@ -125,6 +130,10 @@ class Acceptance:
         for d in range(self.max_gamma):
             out.append(src[d] if d < self.known else out[-1])
         return out
+
+    def deciding(self) -> str:
+        """The average gamma is chosen from."""
+        return "short" if self.moved else "long"
 
     def tau(self, gamma: int, which: str = "short") -> float:
         tau, alive = 1.0, 1.0
@@ -166,7 +175,7 @@ class StepCosts:
 
     def _profiled(self, b: int, gamma: int) -> float:
         p = self.profiles[self._index(b)]
-        t = p.target[gamma + 1] + gamma * p.draft_step
+        t = p.target[gamma + 1] + p.drafting(gamma)
         # past the largest measured batch, time grows in proportion to the batch
         return t * max(1.0, b / p.batch_size)
 
@@ -212,7 +221,8 @@ class Controller:
         for w, n in Counter(workloads).items():
             alive, tau = 1.0, 1.0
             taus[0] += n
-            for g, a in enumerate(self.tracker(w).alphas(), start=1):
+            acc = self.tracker(w)
+            for g, a in enumerate(acc.alphas(acc.deciding()), start=1):
                 alive *= a
                 tau += alive
                 taus[g] += n * tau
@@ -278,6 +288,7 @@ class Controller:
                 if shifted and not acc.shifted:  # the traffic changed under the draft: act on it now
                     acc.short = [min(s, r) for s, r in zip(acc.short, acc.recent, strict=True)]
                 acc.shifted = shifted
+                acc.moved = shifted or self._rose(acc)
 
     def draft_changed(
         self,
@@ -321,6 +332,13 @@ class Controller:
         g = self.cfg.max_gamma
         return acc.tau(g, "short") - 1 < (acc.tau(g, "long") - 1) * (1 - self.cfg.shift_drop)
 
+    def _rose(self, acc: Acceptance) -> bool:
+        """The mirror of the detector: short-term tau well above the long-term one."""
+        if acc.seen[0] < self.cfg.short_steps:
+            return False
+        g = self.cfg.max_gamma
+        return (acc.tau(g, "short") - 1) * (1 - self.cfg.shift_drop) > acc.tau(g, "long") - 1
+
     def snapshot(self) -> dict[str, dict[str, object]]:
         with self._lock:
             return {
@@ -328,6 +346,7 @@ class Controller:
                     "alpha_short": [round(a, 4) for a in acc.alphas("short")],
                     "alpha_long": [round(a, 4) for a in acc.alphas("long")],
                     "tau_short": round(acc.tau(self.best([w] * self.batch_size).gamma or 1, "short"), 4),
+                    "deciding": acc.deciding(),
                     "gamma": self.best([w] * self.batch_size).gamma,
                     "speculation": self.pays(w),
                     "shifted": self.shifted(w),

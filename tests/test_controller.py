@@ -100,6 +100,21 @@ def test_shift_detector() -> None:
     assert c.shifted("w")
 
 
+def test_gamma_rides_out_a_harder_request_and_follows_a_shift() -> None:
+    # acceptance swings from request to request: gamma follows the long average, not the short one
+    c = Controller(ControllerConfig(max_gamma=6), [CPU])
+    for i in range(2000):  # steady traffic: 0, 2 or all 6 drafts accepted in turn
+        c.observe(["w"], torch.tensor([(0, 2, 6)[i % 3]]), 6, c.costs.step_time(1, 6))
+    assert c.best(["w"]).gamma == 6
+    feed(c, "w", 1, 6, 100)  # a request where only the first draft lands: not a shift
+    assert not c.shifted("w") and c.best(["w"]).gamma == 6
+    c.tracker("w").moved = True
+    assert c.best(["w"]).gamma == 2  # what the short average alone would have chosen
+    c.tracker("w").moved = False
+    feed(c, "w", 0, 6, 30)  # the draft misses everything: the traffic changed, gamma follows at once
+    assert c.shifted("w") and c.best(["w"]).gamma == 1
+
+
 def steps_to_stop(cfg: ControllerConfig) -> int:
     c = Controller(cfg, [CPU])
     feed(c, "w", 3, 4, 2000)

@@ -1,11 +1,11 @@
-"""The online trainer's pure parts: the recency window (positions, seconds) of held-out examples and the draft
-vocabulary picked after a shift."""
+"""The online trainer's pure parts: the recency window (positions, seconds) of held-out examples, the
+replay batch, and the draft vocabulary picked after a shift."""
 
 from __future__ import annotations
 
 import torch
 
-from tide.trainers.online import keep_recent
+from tide.trainers.online import keep_recent, replay_batch
 from tide.trainers.ttt import Example, select_vocab
 
 
@@ -35,6 +35,16 @@ def test_keep_recent_follows_the_traffic_of_the_last_seconds() -> None:
     times = [e.created_at for e in keep_recent(examples, 1000, newer_than=450.0, floor=30)]
     assert times == [300.0, 400.0, 500.0]
     assert keep_recent(examples, 1000, newer_than=900.0) == examples[-1:]  # the newest always stays
+
+
+def test_replay_leans_on_the_newest_examples() -> None:
+    # 1,000 examples of an old workload, then 50 of a new one: a twentieth of the buffer
+    buffer = [_example([0] * 4) for _ in range(1000)] + [_example([1] * 4) for _ in range(50)]
+    drawn = [int(e.tokens[0]) for _ in range(200) for e in replay_batch(buffer, 4, 64)]
+    assert len(drawn) == 1600
+    share = sum(drawn) / len(drawn)  # the newest 64 hold all 50 new ones: half of 50/64, plus 50/1050
+    assert 0.36 < share < 0.46, share
+    assert len(replay_batch(buffer[:3], 4, 64)) == 6  # a small buffer: what there is
 
 
 def test_vocabulary_after_a_shift_keeps_older_words_as_filler() -> None:

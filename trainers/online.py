@@ -4,8 +4,9 @@ It never loads the target's decoder layers: the draft's inputs (aux states, fina
 the records, and the labels are the final state times the target's LM head. Training starts from
 the workload's champion (or the bootstrap draft), refits the draft vocabulary to the workload's
 tokens, and mixes each batch of new records with a replay buffer of earlier ones so the draft does
-not forget. Every record's training lands in a durable checkpoint before its offset is committed
-(see `checkpoint.py`). A held-out slice of the stream (by request id) measures the draft; a
+not forget; between new records it trains on the newest examples and the whole buffer, half each.
+Every record's training lands in a durable checkpoint before its offset is committed (see
+`checkpoint.py`). A held-out slice of the stream (by request id) measures the draft; a
 candidate is published when held-out τ improves or every `publish_every` steps.
 """
 
@@ -45,6 +46,10 @@ class OnlineConfig:
     state_dir: Path  # checkpoints and candidates of this workload
     batch_size: int = 4  # new records per step; as many again come from the replay buffer
     replay_size: int = 2000  # examples kept for replay (and saved with the checkpoint)
+    # half of each replay batch comes from the newest this many examples: after a shift, steps
+    # without new records (most of them: a trainer outpaces its traffic) train mostly on the new
+    # workload instead of in proportion to its small share of the buffer
+    recent_examples: int = 64
     held_out_percent: int = HELD_OUT_PERCENT  # requests whose records only ever evaluate
     # held-out examples: those of the last `held_out_seconds` (after a shift the held-out set must be
     # the new traffic soon), at most `held_out_positions`, at least `held_out_floor` when there are
@@ -108,6 +113,12 @@ def example_of(r: HiddenStateRecord, lm_head: torch.Tensor | None) -> Example | 
     k = int(r.prefill.sum())
     learn_from = k - 1 if k < m else m  # the last prompt position predicts the first completion token
     return Example.make(r.tokens[:m], r.aux, r.hidden, lm_head, max(0, learn_from), r.created_at)
+
+
+def replay_batch(buffer: list[Example], n: int, recent: int) -> list[Example]:
+    """n examples from the newest `recent` of the buffer and n from all of it."""
+    newest = buffer[-recent:]
+    return random.sample(newest, min(n, len(newest))) + random.sample(buffer, min(n, len(buffer)))
 
 
 def refit_vocab(draft: Eagle3Draft, ids: torch.Tensor, lm_head: torch.Tensor) -> None:
@@ -269,7 +280,7 @@ class OnlineTrainer:
         self.replay = (self.replay + fresh)[-self.cfg.replay_size :]
 
     def _replay_step(self) -> None:
-        self._step(random.sample(self.replay, min(2 * self.cfg.batch_size, len(self.replay))))
+        self._step(replay_batch(self.replay, self.cfg.batch_size, self.cfg.recent_examples))
 
     def _step(self, examples: list[Example]) -> None:
         self._losses.append(self.trainer.step(examples))
