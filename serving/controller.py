@@ -55,9 +55,7 @@ class ControllerConfig:
     explore_every: int = 16
     explore_off_every: int = 32
     explore_far_every: int = 128  # while off and predicted below `far_below` even at gamma 1
-    # the code draft on French is predicted at 0.92x at gamma 1: checking it one step in 32 cost
-    # about 0.6% of throughput, one in 128 about 0.15%
-    far_below: float = 0.95
+    far_below: float = 0.9
     min_gain: float = 1.02  # speculate only above this predicted speedup
     shift_drop: float = 0.3  # short tau - 1 this far below long tau - 1: the workload shifted
     cost_horizon: float = 32.0  # steps averaged into the measured/predicted step-time ratio
