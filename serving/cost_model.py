@@ -41,8 +41,7 @@ class StepProfile:
     overhead: float = 0.0
     draft_total: float | None = None
     # each further step of the chain, its weights still in cache (None: as the first). On this CPU it
-    # is 0.6 of the first: timing every step as the first made each depth look 0.4 ms dearer than it
-    # is, and the controller drafted one token less than what paid best
+    # is 0.6 of the first: timing every step as the first made each depth look 0.4 ms dearer than it is
     draft_next: float | None = None
 
     def drafting(self, gamma: int) -> float:
