@@ -114,7 +114,8 @@ class CapturePolicy:
 class TrainingAdvisor:
     """Decides `auto` capture: a workload needs training from the moment its acceptance shifts or
     its draft stops paying (the controller) until its trainer's candidates stop improving held-out
-    tau after that moment (the draft sync). With a draft sync, a workload's first request is such a
+    tau after that moment (the draft sync), or, while its draft pays, until the gate has refused
+    several of them in a row after that moment (they improve on each other, not on what serves). With a draft sync, a workload's first request is such a
     moment too: nothing says yet that its trainer has nothing left to learn from this traffic. Only a
     new such moment starts capture again, so a draft that cannot be made to pay is not trained forever."""
 
@@ -131,6 +132,9 @@ class TrainingAdvisor:
         c = self.controller
         needed = c.shifted(workload) or not c.pays(workload)
         done = self.sync.saturated.get(workload) if self.sync is not None else None
+        if not needed and self.sync is not None and workload in self.sync.outdone:
+            # the draft pays and the gate keeps refusing what its trainer makes: nothing to gain
+            done = max(done or 0.0, self.sync.outdone[workload])
         # first sight: unless its trainer is known to be saturated already (or no drafts can come)
         first = self.sync is not None and done is None and workload not in self._needed
         if (needed and not self._needed.get(workload, False)) or first:

@@ -60,6 +60,10 @@ class SyncConfig:
     publish_profile: bool = True  # measure step times once and publish them for the gate
     patience: int = 3  # candidates without held-out improvement before training counts as done
     min_improvement: float = 0.01
+    # gated candidates in a row that the gate refused before training counts as done while the
+    # workload's draft pays: its trainer keeps "improving" on its own last candidate without ever
+    # beating what serves (on code, thirteen in ten minutes), and every captured request costs
+    outdone_after: int = 5
 
 
 @dataclass
@@ -96,6 +100,8 @@ class DraftSync:
         self.refused: set[tuple[str, str]] = set()  # (model name, version) never to try again
         # workloads whose trainer stopped improving held-out tau, and since when (this node's clock)
         self.saturated: dict[str, float] = {}
+        # workloads whose last `outdone_after` gated candidates the gate refused, and since when
+        self.outdone: dict[str, float] = {}
         self._profile: str | None = None
         self._profiled: set[str] = set()  # models whose profile tag this node has set
         self._stop = threading.Event()
@@ -169,22 +175,22 @@ class DraftSync:
 
     def _check_saturation(self, workload: str, name: str) -> None:
         """Training is done for now when none of the last `patience` candidates beat the one before
-        it by `min_improvement` on the trainer's held-out examples."""
-        n = self.cfg.patience
+        it by `min_improvement` on the trainer's held-out examples; and, while the draft pays (the
+        advisor's call), when the gate refused the last `outdone_after` candidates it decided on."""
+        n, k = self.cfg.patience, self.cfg.outdone_after
         try:
             versions = self.client.search_model_versions(
-                f"name = '{name}'", max_results=4 * n, order_by=["version_number DESC"]
+                f"name = '{name}'", max_results=max(4 * n, 2 * k), order_by=["version_number DESC"]
             )
         except MlflowException as e:
             if e.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return
             raise
         gains = [float(v.tags["held_out_gain"]) for v in versions if "held_out_gain" in (v.tags or {})]
-        done = len(gains) >= n and max(gains[:n]) < self.cfg.min_improvement
-        if not done:
-            self.saturated.pop(workload, None)
-        elif workload not in self.saturated:
-            self.saturated[workload] = time.time()
+        _since(self.saturated, workload, len(gains) >= n and max(gains[:n]) < self.cfg.min_improvement)
+        gated = [v.tags["gate.decision"] for v in versions if "held_out_gain" in (v.tags or {})
+                 and v.tags.get("gate.decision") in ("promoted", "refused")]  # fmt: skip
+        _since(self.outdone, workload, len(gated) >= k and all(d == "refused" for d in gated[:k]))
 
     # -- after a swap: does the draft deliver what the gate predicted? ---------------------------
     def _watch(self) -> None:
@@ -265,3 +271,11 @@ def _predicted(mv: ModelVersion) -> dict[int, float]:
     tags = mv.tags or {}
     prefix = "gate.recall.tau_gamma" if "gate.recall.time" in tags else "gate.tau_gamma"
     return {int(k.removeprefix(prefix)): float(v) for k, v in tags.items() if k.startswith(prefix)}
+
+
+def _since(moments: dict[str, float], workload: str, holds: bool) -> None:
+    """Keep since when a condition has held for a workload (this node's clock)."""
+    if not holds:
+        moments.pop(workload, None)
+    elif workload not in moments:
+        moments[workload] = time.time()

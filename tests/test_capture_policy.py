@@ -64,6 +64,7 @@ class _Signals:
 @dataclass
 class _Sync:
     saturated: dict[str, float] = field(default_factory=dict)
+    outdone: dict[str, float] = field(default_factory=dict)
 
 
 def test_training_lasts_from_a_shift_until_the_trainer_saturates() -> None:
@@ -86,3 +87,18 @@ def test_training_lasts_from_a_shift_until_the_trainer_saturates() -> None:
     sync.saturated["w"] = 50.0
     now[0] = 60.0
     assert not advise("w") and not advise("w")  # still not paying, but nothing new: no endless training
+
+
+def test_a_gate_that_keeps_refusing_ends_training_only_while_the_draft_pays() -> None:
+    signals, sync, now = _Signals(), _Sync(), [0.0]
+    advise = TrainingAdvisor(signals, sync, clock=lambda: now[0])
+    assert advise("w")  # first sight
+    now[0], sync.outdone["w"] = 10.0, 8.0  # the gate refused the trainer's last candidates
+    assert not advise("w")  # the draft pays: the trainer improves on itself, not on what serves
+    now[0], signals.paying = 20.0, False  # the traffic changed: the draft stopped paying
+    assert advise("w")
+    sync.outdone["w"] = 30.0  # candidates refused while the draft does not pay: keep learning
+    now[0] = 40.0
+    assert advise("w")
+    signals.paying = True  # a promoted draft pays; the refusals since the change now end training
+    assert not advise("w")

@@ -186,3 +186,34 @@ def test_registry_or_store_away_serving_goes_on_and_catches_up(
     finally:
         mlflow.stop()
         store.stop()
+
+
+def test_the_sync_reads_when_training_stopped_paying_off(
+    registry: MlflowServer, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
+) -> None:
+    """From the trainer's and the gate's tags: a trainer whose candidates stopped improving on each
+    other is saturated; one whose candidates the gate kept refusing is outdone, until one is promoted."""
+    from types import SimpleNamespace
+
+    from tide.serving.draft_sync import DraftSync, SyncConfig
+
+    workload = f"sat-{uuid.uuid4().hex[:4]}"
+    reg = Registrar(registry.url, target_bf16.fingerprint, workload)
+    engine = SimpleNamespace(target=target_bf16, workloads_seen=set())
+    sync = DraftSync(SyncConfig(registry.url, tmp_path / "cache", "t", patience=2, outdone_after=3), engine)
+
+    def candidate(gain: float, decision: str) -> None:
+        mv = reg.register(trained_draft_dir, {"held_out_gain": str(gain)})
+        reg.client.set_model_version_tag(reg.name, mv.version, "gate.decision", decision)
+        sync._check_saturation(workload, reg.name)
+
+    candidate(0.05, "refused")
+    candidate(0.04, "refused")
+    assert workload not in sync.saturated and workload not in sync.outdone  # improving, two refused
+    candidate(0.03, "refused")
+    assert workload in sync.outdone and workload not in sync.saturated
+    since = sync.outdone[workload]
+    candidate(0.002, "refused")
+    assert sync.outdone[workload] == since  # still outdone, since the same moment
+    candidate(0.001, "promoted")
+    assert workload not in sync.outdone and workload in sync.saturated
