@@ -112,12 +112,14 @@ class CapturePolicy:
 
 
 class TrainingAdvisor:
-    """Decides `auto` capture: a workload needs training from the moment its acceptance shifts or
-    its draft stops paying (the controller) until its trainer's candidates stop improving held-out
-    tau after that moment (the draft sync), or, while its draft pays, until the gate has refused
-    several of them in a row after that moment (they improve on each other, not on what serves). With a draft sync, a workload's first request is such a
-    moment too: nothing says yet that its trainer has nothing left to learn from this traffic. Only a
-    new such moment starts capture again, so a draft that cannot be made to pay is not trained forever."""
+    """Decides `auto` capture. A workload needs training from the moment its acceptance shifts or its
+    draft stops paying (the controller's `needs_training`: for longer than one hard request) until
+    its trainer's candidates stop improving held-out tau after that moment (the draft sync), or,
+    while its draft pays, until the gate has refused several of them in a row after that moment
+    (they improve on each other, not on what serves). With a draft sync, a workload's first request
+    is such a moment too: nothing says yet that its trainer has nothing left to learn from this
+    traffic. Only a new such moment starts capture again, so a draft that cannot be made to pay is
+    not trained forever."""
 
     def __init__(
         self, controller: Controller, sync: DraftSync | None, clock: Callable[[], float] = time.time
@@ -129,8 +131,7 @@ class TrainingAdvisor:
         self._needed: dict[str, bool] = {}  # the last call's verdict on the controller's signals
 
     def __call__(self, workload: str) -> bool:
-        c = self.controller
-        needed = c.shifted(workload) or not c.pays(workload)
+        needed = self.controller.needs_training(workload)
         done = self.sync.saturated.get(workload) if self.sync is not None else None
         if not needed and self.sync is not None and workload in self.sync.outdone:
             # the draft pays and the gate keeps refusing what its trainer makes: nothing to gain

@@ -17,7 +17,8 @@ average mostly chases that noise (on code it drafted one token a third of the ti
 slower than a fixed gamma of 3). The short average falling well below the long one is the paper's
 shift detector: the workload's traffic changed under its draft, the short average drops to a very
 short one, and gamma follows it at once; so it does while the short one stands well above the long
-one (a draft that fits came back). Then, or when the workload's draft stops paying, the
+one (a draft that fits came back). When the detector, or the workload's draft not paying, has held
+for `confirm_steps` (a hard request fires the detector too, for about a request), the
 `capture.TrainingAdvisor` turns capture (and so training) on.
 """
 
@@ -62,6 +63,11 @@ class ControllerConfig:
     # a draft swapped out this recently and back in (a rollback, a quick recall) takes up what was
     # measured of it live: more current, and from far more positions, than the gate's measurement
     remember_seconds: float = 120.0
+    # sequence-steps the detector (or a draft that stopped paying) must hold before the workload
+    # calls for training. On code with the code draft it fired four times in 89 requests, for 90 to
+    # 421 steps (hard stretches), and each firing started capture over; a shift holds until the
+    # long average has caught up, and a draft that stopped paying until it pays again
+    confirm_steps: int = 384
 
 
 def _ema_weight(horizon: float, n: int) -> float:
@@ -82,6 +88,8 @@ class Acceptance:
     moved: bool = field(init=False)
     seen: list[int] = field(init=False)  # attempts observed at each depth
     known: int = field(init=False)  # depths with a rate of their own (observed or given)
+    # steps (with what checks stand for) since it last shifted or paid: how long training was called for
+    needed_for: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.reset()
@@ -97,6 +105,7 @@ class Acceptance:
         self.recent = list(self.short)
         self.seen = [0] * self.max_gamma
         self.shifted = self.moved = False
+        self.needed_for = 0
 
     def update(
         self, accepted: list[int], gamma: int, short_h: float, long_h: float, recent_h: float, span: int = 1
@@ -194,6 +203,7 @@ class Decision:
     predicted_speedup: float
     explore: bool = False
     span: int = 1  # steps its acceptance stands for (a token drafted to check, one step in many)
+    pays: bool = True  # before exploring: did the batch's drafts pay?
 
 
 class Controller:
@@ -245,7 +255,11 @@ class Controller:
             taus[g] * plain / self.costs.step_time(b, g) for g in range(1, self.cfg.max_gamma + 1)
         ]
         top = max(range(len(speedups)), key=speedups.__getitem__)
-        return Decision(top, speedups[top]) if speedups[top] >= self.cfg.min_gain else Decision(0, 1.0)
+        return (
+            Decision(top, speedups[top])
+            if speedups[top] >= self.cfg.min_gain
+            else Decision(0, 1.0, pays=False)
+        )
 
     def choose(self, workloads: list[str]) -> Decision:
         """The gamma of the next step for a batch of these workloads (one entry per sequence)."""
@@ -259,7 +273,7 @@ class Controller:
             # while off, one check stands for the steps in between (a quarter of the short average
             # at most): a draft that pays again is noticed after a few checks, not a hundred
             span = min(every, int(self.cfg.short_steps / 4)) if d.gamma == 0 else 1
-            d = Decision(d.gamma + 1, self.speedup(workloads, d.gamma + 1), explore=True, span=span)
+            d = Decision(d.gamma + 1, self.speedup(workloads, d.gamma + 1), True, span, d.gamma > 0)
         self.last = d
         return d
 
@@ -273,7 +287,12 @@ class Controller:
         tokens = sum(counts) + b
         measured = tokens * plain / seconds
         self.measured_speedup += _ema_weight(self.cfg.cost_horizon, 1) * (measured - self.measured_speedup)
-        if gamma == 0:
+        if gamma == 0:  # a plain step goes on a call for training that the last drafted one made
+            with self._lock:
+                for w in workloads:
+                    acc = self.tracker(w)
+                    if acc.needed_for:
+                        acc.needed_for += 1
             return
         rows: dict[str, list[int]] = {}
         for w, n in zip(workloads, counts, strict=True):
@@ -289,6 +308,10 @@ class Controller:
                     acc.short = [min(s, r) for s, r in zip(acc.short, acc.recent, strict=True)]
                 acc.shifted = shifted
                 acc.moved = shifted or self._rose(acc)
+                # one workload in the batch: the step's own decision says whether its draft pays
+                pays = self.last.pays if len(rows) == 1 else self.best([w] * b).gamma > 0
+                needed = shifted or not pays
+                acc.needed_for = acc.needed_for + len(sub) * span if needed else 0
 
     def draft_changed(
         self,
@@ -326,6 +349,10 @@ class Controller:
         """The paper's shift detector: short-term tau well below the long-term one."""
         return self._shifted(self.tracker(workload))
 
+    def needs_training(self, workload: str) -> bool:
+        """Shifted, or its draft not paying, for `confirm_steps` steps on end (not one hard request)."""
+        return self.tracker(workload).needed_for >= self.cfg.confirm_steps
+
     def _shifted(self, acc: Acceptance) -> bool:
         if acc.seen[0] < self.cfg.short_steps:
             return False
@@ -350,6 +377,7 @@ class Controller:
                     "gamma": self.best([w] * self.batch_size).gamma,
                     "speculation": self.pays(w),
                     "shifted": self.shifted(w),
+                    "needs_training": acc.needed_for >= self.cfg.confirm_steps,
                 }
                 for w, acc in list(self.acceptance.items())
             }

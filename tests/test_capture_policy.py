@@ -49,16 +49,13 @@ def test_auto_rules_follow_the_advisor() -> None:
 
 @dataclass
 class _Signals:
-    """The controller's two signals, set by hand."""
+    """The controller's two signals, set by hand (as if each had held long enough to count)."""
 
     shift: bool = False
     paying: bool = True
 
-    def shifted(self, workload: str) -> bool:
-        return self.shift
-
-    def pays(self, workload: str) -> bool:
-        return self.paying
+    def needs_training(self, workload: str) -> bool:
+        return self.shift or not self.paying
 
 
 @dataclass

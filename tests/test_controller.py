@@ -115,6 +115,21 @@ def test_gamma_rides_out_a_harder_request_and_follows_a_shift() -> None:
     assert c.shifted("w") and c.best(["w"]).gamma == 1
 
 
+def test_one_hard_request_does_not_call_for_training_and_a_shift_does() -> None:
+    c = Controller(ControllerConfig(max_gamma=6), [CPU])
+    for i in range(2000):  # steady traffic, as above
+        c.observe(["w"], torch.tensor([(0, 2, 6)[i % 3]]), 6, c.costs.step_time(1, 6))
+    feed(c, "w", 0, 6, 60)  # one request where nothing lands: the detector fires for a while
+    assert c.shifted("w") and not c.needs_training("w")
+    for i in range(200):  # and the next requests are as before
+        c.observe(["w"], torch.tensor([(0, 2, 6)[i % 3]]), 6, c.costs.step_time(1, 6))
+    assert not c.shifted("w") and not c.needs_training("w")
+    for _ in range(500):  # the traffic changed for good: gamma falls, and the plain steps count too
+        d = c.choose(["w"])
+        c.observe(["w"], torch.tensor([0]), d.gamma, c.costs.step_time(1, d.gamma))
+    assert c.best(["w"]).gamma == 0 and c.needs_training("w")
+
+
 def steps_to_stop(cfg: ControllerConfig) -> int:
     c = Controller(cfg, [CPU])
     feed(c, "w", 3, 4, 2000)

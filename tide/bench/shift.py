@@ -14,6 +14,7 @@ workload only.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import statistics
 import subprocess
@@ -43,6 +44,7 @@ from tide.serving.sampling import SamplingParams
 
 WORKLOAD = "default"
 AGAIN = "-again"  # in the id of a request whose prompt came before
+log = logging.getLogger("tide.bench")
 
 
 @dataclass
@@ -164,6 +166,7 @@ def _run(
     training_cores: set[int],
 ) -> dict[str, Any]:
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
     client = MlflowClient(mlflow.url)
     start = register_folder(client, target.fingerprint, WORKLOAD, cfg.static_draft, {"bench": "static draft"})
@@ -226,7 +229,13 @@ def _run(
                 if following is not None and following.version != version:
                     # the node refuses a version it rolls back before it swaps (its counter comes after)
                     kind = "rollback" if (following.name, version) in sync.refused else "promotion"
-                    tags = client.get_model_version(following.name, following.version).tags or {}
+                    try:
+                        tags = client.get_model_version(following.name, following.version).tags or {}
+                    except MlflowException as e:  # the registry dropped a connection: next slot
+                        log.warning(
+                            "reading version %s's tags failed, trying again: %s", following.version, e
+                        )
+                        continue
                     if kind == "promotion" and "gate.recall.time" in tags:
                         kind = "recall"  # the gate brought an earlier champion back
                     version = following.version
