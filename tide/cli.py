@@ -430,6 +430,9 @@ def up(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+    # and Ctrl-C even when started with SIGINT ignored (a background job of a shell, nohup): Python
+    # then installs no handler of its own, and `tide up` went on serving until it was killed
+    signal.signal(signal.SIGINT, interrupt)
     try:
         with tqdm(stack.steps(), desc="tide up", unit="part") as bar:
             for step in bar:
