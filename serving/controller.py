@@ -18,7 +18,7 @@ slower than a fixed gamma of 3). The short average falling well below the long o
 shift detector: the workload's traffic changed under its draft, the short average drops to a very
 short one, and gamma follows it at once; so it does while the short one stands well above the long
 one (a draft that fits came back). When the detector, or the workload's draft not paying, has held
-for `confirm_steps` (a hard request fires the detector too, for about a request), the
+for `confirm_steps` (hard stretches of traffic fire the detector too, for up to a few requests), the
 `capture.TrainingAdvisor` turns capture (and so training) on.
 """
 
@@ -377,7 +377,7 @@ class Controller:
                     "gamma": self.best([w] * self.batch_size).gamma,
                     "speculation": self.pays(w),
                     "shifted": self.shifted(w),
-                    "needs_training": acc.needed_for >= self.cfg.confirm_steps,
+                    "needs_training": self.needs_training(w),
                 }
                 for w, acc in list(self.acceptance.items())
             }
