@@ -1,8 +1,9 @@
 """Fixed gammas against the controller, in one process: what the README's in-process figures come from.
 
-`python scripts/gamma_ab.py WORKLOAD SECONDS DRAFT_DIR [--part test|all] [--gammas 3,4]` serves the
-workload's prompts (batch 1, 192 new tokens, greedy) with no speculation, one engine per fixed gamma,
-and an engine whose controller chooses gamma, in turns of 4 s on one core. It prints the step-time
+`python scripts/gamma_ab.py WORKLOAD SECONDS DRAFT_DIR [--part test|all] [--gammas 3,4] [--stops 0.1,0]`
+serves the workload's prompts (batch 1, 192 new tokens, greedy) with no speculation, one engine per
+fixed gamma, and one engine per `stop_below` whose controller chooses gamma, in turns of 4 s on one
+core. It prints the step-time
 profile the controller measured, then per system its throughput over no speculation, its tokens per
 speculating step and acceptance by depth, and how often the controller chose each gamma. Run it on
 a quiet machine: the engines share one core, and a neighbour slows all of them alike.
@@ -21,7 +22,7 @@ import torch
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import load_target
 from tide.prompts import load_prompts, split
-from tide.serving.controller import ControllerConfig, build_controller
+from tide.serving.controller import Controller, ControllerConfig, build_controller
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 
@@ -33,7 +34,11 @@ def main() -> None:
     ap.add_argument("draft", type=Path)
     ap.add_argument("--part", choices=["train", "test", "all"], default="test")
     ap.add_argument("--gammas", default="3", help="fixed gammas to compare, comma-separated")
+    ap.add_argument(
+        "--stops", default="0", help="the controller's stop_below values to compare, comma-separated"
+    )
     args = ap.parse_args()
+    stops = [float(x) for x in args.stops.split(",") if x]
     gammas = [int(g) for g in args.gammas.split(",") if g]
     if any(not 1 <= g <= 8 for g in gammas):
         ap.error("--gammas: each in 1..8")
@@ -58,12 +63,16 @@ def main() -> None:
 
     controller = build_controller(m, draft(), ControllerConfig(max_gamma=6), 1, (1,))
     p = controller.costs.profiles[0]
+    controllers = {
+        f"controller stop {x:g}": Controller(ControllerConfig(max_gamma=6, stop_below=x), [p]) for x in stops
+    }
     print(f"profile: T(1..7) {[round(t * 1e3, 2) for t in p.target.values()]} ms, "
           f"draft {p.drafting(1) * 1e3:.2f} ms then {(p.drafting(2) - p.drafting(1)) * 1e3:.2f} ms")  # fmt: skip
     systems = {"nospec": Engine(target, None, cfg(0))}
     systems |= {f"gamma {g}": Engine(target, draft(), cfg(g)) for g in gammas}
-    systems["controller"] = Engine(target, draft(), cfg(0, 6), controller=controller)
-    cursor, tokens, chosen = Counter[str](), Counter[str](), Counter[int]()
+    systems |= {name: Engine(target, draft(), cfg(0, 6), controller=c) for name, c in controllers.items()}
+    cursor, tokens = Counter[str](), Counter[str]()
+    chosen: dict[str, Counter[int]] = {name: Counter() for name in controllers}
     seconds: dict[str, float] = dict.fromkeys(systems, 0.0)
     params = SamplingParams(max_tokens=192)
     start = time.time()
@@ -75,15 +84,16 @@ def main() -> None:
                     e.add(prompts[cursor[name] % len(prompts)], params)
                     cursor[name] += 1
                 tokens[name] += sum(len(o.new_tokens) for o in e.step())
-                if name == "controller":
-                    chosen[controller.last.gamma] += 1
+                if name in controllers:
+                    chosen[name][controllers[name].last.gamma] += 1
             seconds[name] += time.perf_counter() - t
     base = tokens["nospec"] / seconds["nospec"]
     for name, e in systems.items():
         rates = [round(r, 3) for r in e.stats.rates() if r]
         print(f"{name}: {tokens[name] / seconds[name] / base:.3f}x no speculation, "
               f"tau {e.stats.mean_accept_length:.3f}, acceptance by depth {rates}")  # fmt: skip
-    print("controller's gammas:", dict(sorted(chosen.items())))
+    for name, counts in chosen.items():
+        print(f"{name}: gammas chosen {dict(sorted(counts.items()))}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,12 @@ class ControllerConfig:
     explore_far_every: int = 128  # while off and predicted below `far_below` even at gamma 1
     far_below: float = 0.9
     min_gain: float = 1.02  # speculate only above this predicted speedup
+    # > 0: gamma is the longest chain, which stops early once the draft's probability of the chain so
+    # far is below this in every row. Off: simulated with verify cost linear in its width it gained 6%
+    # on code, but live on this CPU (verifying 2 tokens dearer than 3 to 6) it lost 6% at 0.1, and
+    # the rates of the depths it reaches on confident chains only make the controller choose deeper
+    # (scripts/gamma_ab.py --stops 0.1,0)
+    stop_below: float = 0.0
     shift_drop: float = 0.3  # short tau - 1 this far below long tau - 1: the workload shifted
     cost_horizon: float = 32.0  # steps averaged into the measured/predicted step-time ratio
     # a draft swapped out this recently and back in (a rollback, a quick recall) takes up what was

@@ -426,12 +426,14 @@ class Engine:
         gamma: int,
         params: list[SamplingParams],
         u: torch.Tensor | None,
+        stop_below: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Chain-draft gamma tokens per sequence, one chain per draft: (B, gamma) target ids, and
-        q (B, gamma, V) when sampling."""
+        """Chain-draft up to gamma tokens per sequence, one chain per draft: (B, n) target ids, and
+        q (B, n, V) when sampling. With one draft, the chain stops early where the draft's own
+        confidence in it falls below `stop_below` in every row."""
         if len(groups) == 1:  # the common case: contiguous slots, no gathers
             (key,) = groups
-            return self._propose_rows(self.drafts[key], None, bsz, gamma, params, u)
+            return self._propose_rows(self.drafts[key], None, bsz, gamma, params, u, stop_below)
         tokens = torch.empty(bsz, gamma, dtype=torch.long)
         q = None if u is None else torch.zeros(bsz, gamma, self.model.cfg.vocab_size)
         for key, idx in groups.items():
@@ -453,8 +455,12 @@ class Engine:
         gamma: int,
         params: list[SamplingParams],
         u: torch.Tensor | None,
+        stop_below: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft's chain over the running rows `slots` (None: rows [0, bsz))."""
+        """One draft's chain over the running rows `slots` (None: rows [0, bsz)). Past its first
+        token the chain ends where, in every row, the draft's own probability of the chain so far
+        falls below `stop_below` (EAGLE-2's confidence): such a tail is rarely accepted, and each
+        token of it widens the verify."""
         draft = ds.draft
         rows = torch.arange(bsz) if slots is None else slots
         lengths, dlen = self.lengths[rows], self.draft_lengths[rows]
@@ -477,13 +483,22 @@ class Engine:
         tokens = torch.empty(bsz, gamma, dtype=torch.long)
         qs: list[torch.Tensor] = []
         s = BatchSampling.of(params) if u is not None else None
+        sure = torch.ones(bsz)  # the draft's probability of its chain so far, per row
         for i in range(gamma):
             logits = draft.logits(last[:, 0]).unsqueeze(1)  # (B, 1, Vd)
             if u is None or s is None:
                 d = logits[:, 0].argmax(-1)
+                if stop_below:
+                    sure = sure * logits[:, 0].float().softmax(-1).amax(-1)
+                    if i and bool((sure < stop_below).all()):
+                        return tokens[:, :i], None
             else:
                 q = probs_from_logits(logits, BatchSampling(s.temperature, s.top_p, s.top_k, False))[:, 0]
                 d = sample(q, u[:, i])
+                if stop_below:
+                    sure = sure * q.gather(1, d.unsqueeze(1))[:, 0]
+                    if i and bool((sure < stop_below).all()):
+                        return tokens[:, :i], torch.stack(qs, 1)
                 full = torch.zeros(bsz, self.model.cfg.vocab_size)
                 qs.append(full.index_copy_(1, ds.ids, q))
             tokens[:, i] = ds.ids[d]
@@ -510,7 +525,9 @@ class Engine:
         u = None if s.all_greedy else self._uniforms(seqs, 2 * gamma + 1)
         lengths = self.lengths[:bsz].clone()
         if groups and gamma > 0:
-            drafted, q = self._propose(groups, bsz, gamma, params, u)
+            stop = self.controller.cfg.stop_below if adaptive and self.controller is not None else 0.0
+            drafted, q = self._propose(groups, bsz, gamma, params, u, stop)
+            gamma = drafted.shape[1]  # the chain may have stopped early
             self.timing.propose_seconds += time.perf_counter() - start
         else:
             drafted, q = torch.zeros(bsz, 0, dtype=torch.long), None

@@ -192,6 +192,35 @@ def test_adaptive_engine_is_lossless_and_turns_a_bad_draft_off() -> None:
     assert engine.stats.steps > 0  # explored while off
 
 
+def test_the_chain_stops_where_the_draft_is_unsure() -> None:
+    """stop_below 1.0: no chain is ever sure enough for a second token; 0: always gamma tokens.
+    Greedy output is the plain decode's either way, and sampling runs with the shorter chains."""
+    target = tiny_target(seed=5, scale=2.0)
+    draft = trained_tiny_draft(target, seed=6, vocab=128)
+    prompts = [[i, i + 3, i + 5] for i in range(4)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = Engine(target, None, EngineConfig(max_batch=4, max_model_len=64, gamma=0)).generate(prompts, params)
+    profile = StepProfile(4, {n: 0.010 for n in range(1, 8)}, 0.0001)  # deeper always predicted to pay
+    widths: dict[float, set[int]] = {}
+    for stop in (1.0, 0.0):
+        controller = Controller(ControllerConfig(max_gamma=4, stop_below=stop), [profile])
+        seen = widths[stop] = set()
+        observe = controller.observe
+
+        def record(w: list[str], a: torch.Tensor, gamma: int, t: float, seen: set[int] = seen) -> None:
+            seen.add(gamma)  # the tokens each step drafted
+            observe(w, a, gamma, t)
+
+        controller.observe = record  # type: ignore[method-assign]
+        engine = Engine(target, draft, EngineConfig(max_batch=4, max_model_len=64, gamma=4, max_gamma=4),
+                        controller=controller)  # fmt: skip
+        assert [s.output for s in engine.generate(prompts, params)] == [r.output for r in ref]
+        sampled = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True))
+        assert all(len(s.output) == 24 for s in sampled)
+    assert widths[1.0] <= {0, 1}, widths
+    assert max(widths[0.0]) >= 3, widths
+
+
 def test_adaptive_on_the_default_model(target_bf16: Target, trained_draft_dir: Path) -> None:
     """SmolLM2 with its code draft, batches of 4: on for code, off for French, which the code draft
     does not fit, in the same engine (one workload label each)."""
