@@ -205,11 +205,17 @@ def test_the_chain_stops_where_the_draft_is_unsure() -> None:
     for stop in (1.0, 0.0):
         controller = Controller(ControllerConfig(max_gamma=4, stop_below=stop), [profile])
         seen = widths[stop] = set()
-        observe = controller.observe
 
-        def record(w: list[str], a: torch.Tensor, gamma: int, t: float, seen: set[int] = seen) -> None:
+        def record(
+            w: list[str],
+            a: torch.Tensor,
+            gamma: int,
+            t: float,
+            seen: set[int] = seen,
+            c: Controller = controller,
+        ) -> None:
             seen.add(gamma)  # the tokens each step drafted
-            observe(w, a, gamma, t)
+            Controller.observe(c, w, a, gamma, t)
 
         controller.observe = record  # type: ignore[method-assign]
         engine = Engine(target, draft, EngineConfig(max_batch=4, max_model_len=64, gamma=4, max_gamma=4),
