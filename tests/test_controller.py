@@ -217,7 +217,7 @@ def test_the_chain_stops_where_the_draft_is_unsure() -> None:
             seen.add(gamma)  # the tokens each step drafted
             Controller.observe(c, w, a, gamma, t)
 
-        controller.observe = record  # type: ignore[method-assign]
+        controller.observe = record
         engine = Engine(target, draft, EngineConfig(max_batch=4, max_model_len=64, gamma=4, max_gamma=4),
                         controller=controller)  # fmt: skip
         assert [s.output for s in engine.generate(prompts, params)] == [r.output for r in ref]
