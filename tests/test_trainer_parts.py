@@ -1,11 +1,11 @@
 """The online trainer's pure parts: the recency window (positions, seconds) of held-out examples, the
-replay batch, and the draft vocabulary picked after a shift."""
+replay batch, and the draft vocabulary picked after a shift (and what it is fitted to)."""
 
 from __future__ import annotations
 
 import torch
 
-from tide.trainers.online import keep_recent, replay_batch
+from tide.trainers.online import keep_recent, newest_uncovered, replay_batch
 from tide.trainers.ttt import Example, select_vocab
 
 
@@ -67,3 +67,16 @@ def test_shift_bench_repeats_keep_their_prompts_split() -> None:
     assert len(set(ids)) == 50
     for i in range(10, 50):  # a prompt that comes again is held out exactly when its first request was
         assert is_held_out(ids[i]) == is_held_out(ids[i % 10])
+
+
+def test_the_vocabulary_is_refitted_to_the_traffic_that_moved_it() -> None:
+    covered = torch.zeros(100, dtype=torch.bool)
+    covered[:50] = True  # the old workload's words
+    old = [_example([1, 2, 3, 4, 60], learn_from=1) for _ in range(6)]  # 3 of 4 covered
+    new = [_example([70, 71, 72, 3, 73], learn_from=1) for _ in range(4)]  # 1 of 4
+    prompt_only = _example([80, 81], learn_from=2)  # says nothing about coverage: kept
+    window = [*old, *new[:2], prompt_only, *new[2:]]
+    assert newest_uncovered(window, covered, 0.7, 8) == window[len(old) :]
+    # too few new positions to fit a vocabulary to: the whole window
+    assert newest_uncovered(window, covered, 0.7, 17) == window
+    assert newest_uncovered(old, covered, 0.7, 1) == old
