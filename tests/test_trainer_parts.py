@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tide.trainers.online import keep_recent, newest_uncovered, replay_batch
+from tide.trainers.online import keep_recent, newest_uncovered, replay_batch, turned_over
 from tide.trainers.ttt import Example, select_vocab
 
 
@@ -80,3 +80,14 @@ def test_the_vocabulary_is_refitted_to_the_traffic_that_moved_it() -> None:
     # too few new positions to fit a vocabulary to: the whole window
     assert newest_uncovered(window, covered, 0.7, 17) == window
     assert newest_uncovered(old, covered, 0.7, 1) == old
+
+
+def test_a_candidate_is_published_again_once_the_held_out_set_has_turned_over() -> None:
+    # 30 held-out positions from before the last candidate, then 10 with 2 prompt positions each
+    held_out = [_example([1] * 10, created_at=t) for t in (10.0, 20.0, 30.0)]
+    held_out += [_example([2] * 12, learn_from=2, created_at=t) for t in (50.0, 60.0, 70.0)]
+    assert turned_over(held_out, 40.0, 0.5)  # 30 of 60 completion positions are new
+    assert not turned_over(held_out, 55.0, 0.5)  # 20 of 60
+    assert turned_over(held_out, 55.0, 0.3)
+    assert not turned_over(held_out, 80.0, 0.0)  # nothing new: nothing to judge again
+    assert not turned_over([], 0.0, 0.5)

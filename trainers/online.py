@@ -7,7 +7,8 @@ tokens, and mixes each batch of new records with a replay buffer of earlier ones
 not forget; between new records it trains on the newest examples and the whole buffer, half each.
 Every record's training lands in a durable checkpoint before its offset is committed (see
 `checkpoint.py`). A held-out slice of the stream (by request id) measures the draft; a
-candidate is published when held-out τ improves or every `publish_every` steps.
+candidate is published when held-out τ improves, when the held-out set is mostly traffic the last
+candidate was never judged on, or every `publish_every` steps.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class OnlineConfig:
     eval_every: int = 50  # steps
     publish_every: int = 500  # steps: publish even without improvement
     min_gain: float = 0.005  # held-out tau gain over the last candidate that makes a new one
+    # this share of the held-out positions captured since the last candidate: publish again (unless
+    # worse). The gate judges a candidate once, on its own held-out window, and right after a shift
+    # that is the old traffic topped up (on the shift benchmark the first French candidate was
+    # refused on code, and the next came 5 minutes later, when `publish_every` ran out)
+    republish_turnover: float = 0.5
     # no new record: train on the replay buffer instead of waiting (a trainer's hardware is there to train)
     replay_when_idle: bool = True
     poll_records: int = 64
@@ -121,6 +127,12 @@ def newest_uncovered(
             break
         i -= 1
     return examples[i:] if completion_positions(examples[i:]) >= min_positions else examples
+
+
+def turned_over(held_out: list[Example], since: float, share: float) -> bool:
+    """Were at least `share` of these examples' completion positions captured after `since`?"""
+    newer = completion_positions([e for e in held_out if e.created_at > since])
+    return newer > 0 and newer >= share * completion_positions(held_out)
 
 
 def example_of(r: HiddenStateRecord, lm_head: torch.Tensor | None) -> Example | None:
@@ -207,6 +219,8 @@ class OnlineTrainer:
         self._since_refit = 0  # positions read since the vocabulary was last refitted
         self._fresh_steps = 0  # steps on new records since the last checkpoint
         self._last_publish = self.ledger.steps
+        # held-out examples captured after this: the last candidate was never judged on them
+        self._published_at = time.time()
         self._last_eval = self.ledger.steps
         log.info(
             "trainer for %s %s at step %d",
@@ -359,7 +373,11 @@ class OnlineTrainer:
         # the held-out set follows the traffic, so the last candidate is measured again on the same examples
         before = evaluate(self.published, self.lm_head, self.held_out, self.trainer.cfg).tau[-1]
         gain = m.tau[-1] / before - 1.0
-        if gain > self.cfg.min_gain or self.ledger.steps - self._last_publish >= self.cfg.publish_every:
+        if (
+            gain > self.cfg.min_gain
+            or (turned_over(self.held_out, self._published_at, self.cfg.republish_turnover) and gain >= 0.0)
+            or self.ledger.steps - self._last_publish >= self.cfg.publish_every
+        ):
             self.ledger.best_tau = m.tau[-1]
             self._publish(m, gain)
 
@@ -371,6 +389,7 @@ class OnlineTrainer:
         self.draft.save(folder)
         self.published = copy.deepcopy(self.draft).eval()
         self._last_publish = self.ledger.steps
+        self._published_at = time.time()
         if self.publish is not None:
             self.publish(Candidate(folder, version, m, self.ledger, gain))
 
