@@ -111,6 +111,13 @@ def keep_recent(
     return examples[i:]
 
 
+def coverage(examples: list[Example], covered: torch.Tensor) -> float:
+    """The share of these completion tokens that `covered` (a bool per target id: the draft
+    vocabulary) can say; 1.0 for none."""
+    tokens = torch.cat([ex.tokens[ex.learn_from :] for ex in examples] or [torch.zeros(0, dtype=torch.long)])
+    return float(covered[tokens].float().mean()) if len(tokens) else 1.0
+
+
 def newest_uncovered(
     examples: list[Example], covered: torch.Tensor, below: float, min_positions: int
 ) -> list[Example]:
@@ -121,9 +128,8 @@ def newest_uncovered(
     later). Too few such positions to fit to: all of `examples`."""
     i = len(examples)
     while i > 0:
-        ex = examples[i - 1]
-        done = ex.tokens[ex.learn_from :]
-        if len(done) and float(covered[done].float().mean()) >= below:
+        ex = examples[i - 1 : i]
+        if completion_positions(ex) and coverage(ex, covered) >= below:
             break
         i -= 1
     return examples[i:] if completion_positions(examples[i:]) >= min_positions else examples
@@ -295,7 +301,7 @@ class OnlineTrainer:
             warm = sum(len(e.aux) for e in self._waiting) >= self.cfg.vocab_warmup_positions
             if not self._waiting or not (warm or force):
                 return
-            if self._coverage(self._waiting) < self.cfg.refit_coverage:
+            if coverage(self._waiting, self.draft.t2d) < self.cfg.refit_coverage:
                 self._refit(self._waiting)
             self.vocab_fitted = True
             fresh, self._waiting = self._waiting, []
@@ -324,13 +330,6 @@ class OnlineTrainer:
         if self.ledger.steps % self.cfg.eval_every == 0:
             self._evaluate()
 
-    def _coverage(self, examples: list[Example]) -> float:
-        """The share of these completion tokens the draft vocabulary can say."""
-        tokens = torch.cat(
-            [ex.tokens[ex.learn_from :] for ex in examples] or [torch.zeros(0, dtype=torch.long)]
-        )
-        return float(self.draft.t2d[tokens].float().mean()) if len(tokens) else 1.0
-
     def _vocab_stale(self) -> bool:
         """Has the traffic moved off the draft vocabulary (a shift the trainer sees in the tokens)?"""
         positions = completion_positions(self._recent)
@@ -339,7 +338,7 @@ class OnlineTrainer:
             or self._since_refit < self.cfg.vocab_warmup_positions
         ):
             return False
-        return self._coverage(self._recent) < self.cfg.refit_coverage
+        return coverage(self._recent, self.draft.t2d) < self.cfg.refit_coverage
 
     def _refit(self, examples: list[Example], fill: list[Example] | None = None) -> None:
         ids = select_vocab(
