@@ -69,6 +69,7 @@ class _Pending:
     aux: list[torch.Tensor]
     hidden: list[torch.Tensor]
     prefill: list[torch.Tensor]
+    held_out: bool = False
     positions: int = 0
     chunk: int = 0
     touched: float = field(default_factory=time.monotonic)
@@ -122,8 +123,9 @@ class RecordPublisher:
         p = self._pending.get(ev.request_id)
         if p is None:
             p = _Pending(
-                ev.workload, ev.draft_version, ev.first_position, [ev.tokens], [aux], [hidden], [flags]
-            )
+                ev.workload, ev.draft_version, ev.first_position, [ev.tokens], [aux], [hidden], [flags],
+                held_out=ev.held_out,
+            )  # fmt: skip
             self._pending[ev.request_id] = p
         else:
             p.tokens.append(ev.tokens[1:])  # events overlap by one token
@@ -154,6 +156,7 @@ class RecordPublisher:
             chunk=p.chunk,
             first_position=p.first_position,
             last=last,
+            held_out=p.held_out,
         )
         p.tokens, p.aux, p.hidden, p.prefill = [tokens[n:]], [aux[n:]], [hidden[n:]], [prefill[n:]]
         p.positions -= n

@@ -1,7 +1,8 @@
 """HiddenStateRecord: one chunk of one request's hidden states, as bytes for Kafka.
 
 A record is a safetensors blob whose header metadata carries the schema version, the target
-fingerprint and where the chunk sits (workload, request, chunk index, first position). The aux and
+fingerprint, where the chunk sits (workload, request, chunk index, first position) and whether the
+request is held out (its records only ever evaluate drafts; the serving node decides). The aux and
 final hidden states go through a codec:
 
 - `bf16`: the states as the paper stores them;
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +31,12 @@ CODECS = ("bf16", "int8-g64", "fp8-g64")
 GROUP = 64
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _MAX_DECOMPRESSED = 64 << 20  # a record larger than this is not one of ours
+HELD_OUT_PERCENT = 10  # requests (by id) held out by default: trainers never learn from them
+
+
+def is_held_out(request_id: str, percent: int = HELD_OUT_PERCENT) -> bool:
+    """The default split, by request id (a serving node may hold out more: the record says)."""
+    return zlib.crc32(request_id.encode()) % 100 < percent
 
 
 class RecordError(ValueError):
@@ -60,6 +68,7 @@ class HiddenStateRecord:
     chunk: int
     first_position: int
     last: bool  # the request's final chunk
+    held_out: bool = False  # only ever evaluates drafts: trainers never learn from it
     created_at: float = field(default_factory=time.time)
 
     @property
@@ -132,6 +141,7 @@ def encode(record: HiddenStateRecord, codec: str = "int8-g64", zstd: bool = True
         "chunk": str(record.chunk),
         "first_position": str(record.first_position),
         "last": "1" if record.last else "0",
+        "held_out": "1" if record.held_out else "0",
         "created_at": repr(record.created_at),
     }
     blob = st_save(tensors, metadata=meta)
@@ -177,6 +187,8 @@ def decode(data: bytes, expect_fingerprint: str | None = None) -> HiddenStateRec
             chunk=int(meta["chunk"]),
             first_position=int(meta["first_position"]),
             last=meta["last"] == "1",
+            # records of nodes from before the field: the split by request id they were made under
+            held_out=meta["held_out"] == "1" if "held_out" in meta else is_held_out(meta["request_id"]),
             created_at=float(meta["created_at"]),
         )
     except (KeyError, ValueError, RuntimeError) as e:

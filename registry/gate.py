@@ -11,7 +11,7 @@ above zero, the held-out examples compared in pairs (a couple of lucky examples 
 The old champion moves to `previous`. Every decision leaves
 its figures and reason as `gate.*` tags on the version.
 
-Held-out records are those of requests the trainers never learn from (`store.is_held_out`), read
+Held-out records are those of requests the trainers never learn from (the record's `held_out`), read
 from the workload's topic from the start of its retention on every gate start (no commits); the
 gate judges on the last couple of minutes of them, so after a shift it judges the new traffic.
 Earlier champions are weighed against every candidate and, when new held-out traffic arrives
@@ -42,7 +42,6 @@ from tide.registry.store import (
     ArtifactRefused,
     alias_version,
     download_version,
-    is_held_out,
     model_name,
     model_prefix,
     set_tags,
@@ -159,7 +158,7 @@ class HeldOut:
             if not batch:
                 break
             for c in batch:
-                if not is_held_out(c.record.request_id):
+                if not c.record.held_out:
                     continue
                 ex = example_of(c.record, self.head.lm_head)
                 if ex is not None:

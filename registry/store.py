@@ -13,7 +13,6 @@ import json
 import logging
 import shutil
 import tempfile
-import zlib
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -26,7 +25,6 @@ CHAMPION = "champion"
 PREVIOUS = "previous"
 SHA_TAG = "sha256."  # + relative file name
 PROFILE_TAG = "serving.profile"  # a serving node's measured step times (JSON), read by the gate
-HELD_OUT_PERCENT = 10  # requests (by id) whose records only ever evaluate: trainers never learn them
 
 
 class ArtifactRefused(RuntimeError):
@@ -43,10 +41,6 @@ def model_name(fingerprint: str, workload: str) -> str:
 
 def model_prefix(fingerprint: str) -> str:
     return f"tide-draft-{fingerprint[:12]}-"
-
-
-def is_held_out(request_id: str, percent: int = HELD_OUT_PERCENT) -> bool:
-    return zlib.crc32(request_id.encode()) % 100 < percent
 
 
 def file_hashes(folder: Path) -> dict[str, str]:

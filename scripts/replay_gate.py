@@ -29,17 +29,17 @@ from tide.infra.mlflow.server import MlflowServer
 from tide.models.loader import TargetHead, load_head
 from tide.producers.consumer import RecordConsumer
 from tide.registry.gate import Evaluation, Gate, GateConfig, parse_profile
-from tide.registry.store import PROFILE_TAG, is_held_out
+from tide.registry.store import PROFILE_TAG
 from tide.trainers.online import example_of, keep_recent
 from tide.trainers.ttt import Example
 
 AFTER_SECONDS = 180.0
 
 
-def read_records(bootstrap: str, head: TargetHead, workload: str) -> list[tuple[str, Example]]:
-    """Every record of the workload's topic, oldest first, with its request id."""
+def read_records(bootstrap: str, head: TargetHead, workload: str) -> list[tuple[str, bool, Example]]:
+    """Every record of the workload's topic, oldest first, with its request id and held-out status."""
     consumer = RecordConsumer(bootstrap, [workload], f"replay-{time.time()}", head.fingerprint)
-    out: list[tuple[str, Example]] = []
+    out: list[tuple[str, bool, Example]] = []
     empty = 0
     while empty < (3 if out else 20):  # the first polls wait for the group to form
         batch = consumer.poll(512, 3.0)
@@ -47,9 +47,9 @@ def read_records(bootstrap: str, head: TargetHead, workload: str) -> list[tuple[
         for c in batch:
             ex = example_of(c.record, head.lm_head)
             if ex is not None:
-                out.append((c.record.request_id, ex))
+                out.append((c.record.request_id, c.record.held_out, ex))
     consumer.close()
-    return sorted(out, key=lambda r: r[1].created_at)
+    return sorted(out, key=lambda r: r[2].created_at)
 
 
 def by_request(ev: Evaluation, requests: list[str]) -> Evaluation:
@@ -88,7 +88,7 @@ def main(work: Path, workload: str = "default") -> None:
                     continue
                 base = versions[baseline.rsplit(" v", 1)[1]]
                 when = datetime.strptime(tags["gate.time"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
-                seen = [(rid, ex) for rid, ex in records if ex.created_at <= when and is_held_out(rid)]
+                seen = [(rid, ex) for rid, held_out, ex in records if ex.created_at <= when and held_out]
                 held = keep_recent(
                     [ex for _, ex in seen],
                     cfg.held_out_positions,
@@ -97,8 +97,8 @@ def main(work: Path, workload: str = "default") -> None:
                 )
                 requests = [rid for rid, _ in seen[len(seen) - len(held) :]]  # keep_recent keeps the newest
                 after = [
-                    ex for rid, ex in records
-                    if when < ex.created_at <= when + AFTER_SECONDS and (is_held_out(rid) or AGAIN not in rid)
+                    ex for rid, held_out, ex in records
+                    if when < ex.created_at <= when + AFTER_SECONDS and (held_out or AGAIN not in rid)
                 ]  # fmt: skip
                 if not held or not after:
                     continue

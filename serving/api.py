@@ -323,8 +323,8 @@ def make_app(
         max_tokens = req.requested_max_tokens() or max(1, min(server.default_max_tokens, room))
         try:
             rid = uuid.uuid4().hex[:24]
-            capture = server.capture.decide(workload, opted_out, rid)
-            seq, queue = loop.submit(prompt, req.sampling(max_tokens), workload, capture, rid)
+            d = server.capture.decide(workload, opted_out, rid, prompt)
+            seq, queue = loop.submit(prompt, req.sampling(max_tokens), workload, d.capture, rid, d.held_out)
         except QueueFull as e:
             metrics.rejected.labels("queue_full").inc()
             raise _BadRequest(429, f"server busy: {e}; retry later", kind="rate_limit_error") from None

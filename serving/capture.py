@@ -2,9 +2,17 @@
 
 A rule is on, off, a sampled fraction, or `auto`: then a `TrainingAdvisor` decides, capturing
 from when the workload needs training (its acceptance shifted, or its draft stopped paying) until
-its trainer's held-out tau stops improving. Held-out requests (`store.is_held_out`) are captured
-under `auto` all the time: they cost a tenth of full capture, and the gate needs today's traffic to
-judge drafts by (a workload that comes back is noticed there even when nothing here shifted).
+its trainer's held-out tau stops improving. Held-out requests are captured under `auto` all the
+time: they cost a tenth of full capture, and the gate needs today's traffic to judge drafts by (a
+workload that comes back is noticed there even when nothing here shifted).
+
+Which requests are held out (their records only ever evaluate drafts) is decided here and written
+into the records: one in ten by request id (`records.is_held_out`), and, from the moment a workload
+needs training, every other captured request until `held_out_after_shift` are. A shift is when the
+gate has none of the new traffic to judge by, and one in ten leaves that to chance (one workload
+here waited 37 requests for its first). A prompt that comes again keeps its status: greedy decoding
+repeats its text, so a prompt the trainers learnt from must never evaluate a draft, nor the other
+way round (this node remembers the last `remember_prompts` it captured).
 """
 
 from __future__ import annotations
@@ -13,11 +21,12 @@ import random
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from tide.registry.store import is_held_out
+from tide.producers.records import is_held_out
 
 if TYPE_CHECKING:
     from tide.serving.controller import Controller
@@ -70,14 +79,30 @@ def parse_rules(spec: str) -> dict[str, CaptureRule]:
     return rules
 
 
+@dataclass(frozen=True)
+class Decision:
+    capture: bool
+    held_out: bool = False  # its records only ever evaluate drafts
+
+
+class Advisor(Protocol):
+    def __call__(self, workload: str) -> bool: ...  # does the workload need training now?
+
+    def hold_out(self, workload: str, by_id: bool) -> bool: ...  # hold this captured request out?
+
+
 class CapturePolicy:
-    def __init__(self, rules: dict[str, CaptureRule] | None = None, seed: int = 0):
+    def __init__(
+        self, rules: dict[str, CaptureRule] | None = None, seed: int = 0, remember_prompts: int = 100_000
+    ):
         rules = dict(rules or {})
         self.fallback = rules.pop("*", CaptureRule())  # for workloads without a rule of their own
         self.rules: dict[str, CaptureRule] = rules
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self.advisor: Callable[[str], bool] | None = None  # decides `auto` rules (None: capture)
+        self.advisor: Advisor | None = None  # decides `auto` rules (None: capture)
+        self.remember_prompts = remember_prompts
+        self._held: OrderedDict[int, bool] = OrderedDict()  # captured prompts: held out?
 
     def rule(self, workload: str) -> CaptureRule:
         return self.rules.get(workload, self.fallback)
@@ -86,17 +111,33 @@ class CapturePolicy:
         with self._lock:
             self.rules[check_workload(workload)] = rule
 
-    def decide(self, workload: str, opted_out: bool, request_id: str | None = None) -> bool:
-        """Capture this request? The client's opt-out always wins."""
+    def decide(
+        self, workload: str, opted_out: bool, request_id: str | None = None, prompt: list[int] | None = None
+    ) -> Decision:
+        """Capture this request, and hold it out? The client's opt-out always wins."""
         if opted_out:
-            return False
+            return Decision(False)
         r = self.rule(workload)
-        # not training: still the held-out share, so the gate judges today's traffic
-        held = request_id is not None and is_held_out(request_id)
-        if r.auto and self.advisor is not None and not held and not self.advisor(workload):
-            return False
+        key = hash(tuple(prompt)) if prompt is not None else None
         with self._lock:
-            return r.enabled and self._rng.random() < r.fraction
+            known = self._held.get(key) if key is not None else None
+        by_id = request_id is not None and is_held_out(request_id)
+        held = by_id if known is None else known
+        # not training: still the held-out share, so the gate judges today's traffic
+        if r.auto and self.advisor is not None and not held and not self.advisor(workload):
+            return Decision(False)
+        with self._lock:
+            if not (r.enabled and self._rng.random() < r.fraction):
+                return Decision(False)
+        if known is None and r.auto and self.advisor is not None:
+            held = self.advisor.hold_out(workload, by_id)
+        if key is not None:
+            with self._lock:
+                self._held[key] = held
+                self._held.move_to_end(key)
+                if len(self._held) > self.remember_prompts:
+                    self._held.popitem(last=False)
+        return Decision(True, held)
 
     def active(self, workload: str) -> bool:
         """Is the workload being captured now (ignoring per-request opt-outs and sampling)?"""
@@ -122,13 +163,19 @@ class TrainingAdvisor:
     not trained forever."""
 
     def __init__(
-        self, controller: Controller, sync: DraftSync | None, clock: Callable[[], float] = time.time
+        self,
+        controller: Controller,
+        sync: DraftSync | None,
+        clock: Callable[[], float] = time.time,
+        held_out_after_shift: int = 3,
     ):
         self.controller = controller
         self.sync = sync
         self.clock = clock  # the sync's clock: saturation times come from it
+        self.held_out_after_shift = held_out_after_shift
         self.since: dict[str, float] = {}  # workloads that need training, since when
         self._needed: dict[str, bool] = {}  # the last call's verdict on the controller's signals
+        self._split: dict[str, tuple[float, int, int]] = {}  # since, requests held out, trained on
 
     def __call__(self, workload: str) -> bool:
         needed = self.controller.needs_training(workload)
@@ -148,3 +195,17 @@ class TrainingAdvisor:
             del self.since[workload]
             return False
         return True
+
+    def hold_out(self, workload: str, by_id: bool) -> bool:
+        """A captured request: held out by its id, or, since the workload needs training, every
+        other one until `held_out_after_shift` are (the first of them too: the gate needs the new
+        traffic before the trainer has anything to show)."""
+        since = self.since.get(workload)
+        if since is None:
+            return by_id
+        start, held, trained = self._split.get(workload, (since, 0, 0))
+        if start != since:
+            held = trained = 0
+        out = by_id or (held < self.held_out_after_shift and held <= trained)
+        self._split[workload] = (since, held + out, trained + (not out))
+        return out

@@ -27,6 +27,7 @@ from tide.models.eagle3 import DraftKV, Eagle3Draft
 from tide.models.llama import Batch
 from tide.models.loader import Target
 from tide.models.packing import pack_linears
+from tide.producers.records import is_held_out
 from tide.serving.controller import Controller
 from tide.serving.detokenizer import Detokenizer
 from tide.serving.sampling import BatchSampling, SamplingParams, Verdict, probs_from_logits, sample, verify
@@ -60,6 +61,7 @@ class TapEvent:
     prefill: bool
     draft_version: str
     final: bool = False  # the request's last event
+    held_out: bool = False  # the request's records only ever evaluate drafts
 
 
 TapCallback = Callable[[TapEvent], None]
@@ -72,6 +74,7 @@ class Sequence:
     params: SamplingParams
     workload: str = "default"
     capture: bool = True
+    held_out: bool = False  # its captured states only ever evaluate drafts
     output: list[int] = field(default_factory=list)
     slot: int = -1
     finish_reason: str | None = None
@@ -211,6 +214,7 @@ class Engine:
         workload: str = "default",
         capture: bool = True,
         detokenize: bool = False,
+        held_out: bool | None = None,  # None: the default split by request id
     ) -> Sequence:
         params.validate()
         if not prompt:
@@ -223,7 +227,9 @@ class Engine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{self.cfg.max_model_len} tokens"
             )
-        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), params, workload, capture)
+        rid = request_id or f"req-{next(self._ids)}"
+        held = is_held_out(rid) if held_out is None else held_out
+        seq = Sequence(rid, list(prompt), params, workload, capture, held)
         self.workloads_seen.add(workload)
         if tokenizer is not None and (params.stop or detokenize):
             seq.detok = Detokenizer(tokenizer, seq.prompt)
@@ -610,6 +616,7 @@ class Engine:
                 prefill,
                 self._version_for(seq),
                 seq.finished,
+                seq.held_out,
             )
         )
         self.tap_seconds += time.perf_counter() - t

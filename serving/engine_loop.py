@@ -57,6 +57,7 @@ class EngineLoop:
         workload: str,
         capture: bool,
         request_id: str | None = None,
+        held_out: bool | None = None,
     ) -> tuple[Sequence, asyncio.Queue[Delta]]:
         """Queue a request (ValueError: it cannot be served; QueueFull: try again later)."""
         slots = self.engine.cfg.max_batch
@@ -66,7 +67,7 @@ class EngineLoop:
         rid = request_id or uuid.uuid4().hex[:24]
         self.waiters[rid] = _Waiter(asyncio.get_running_loop(), queue)
         try:
-            seq = self.engine.add(prompt, params, rid, workload, capture, detokenize=True)
+            seq = self.engine.add(prompt, params, rid, workload, capture, detokenize=True, held_out=held_out)
         except Exception:
             self.waiters.pop(rid, None)
             raise

@@ -25,8 +25,8 @@ from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.loader import Target, load_target
 from tide.producers.consumer import RecordConsumer
 from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.producers.records import is_held_out
 from tide.prompts import load_prompts
-from tide.registry.store import is_held_out
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 
@@ -228,7 +228,7 @@ def serve_into_kafka(
     batch: str = "",
 ) -> set[str]:
     """The target answers n prompts with capture on; returns the (request id, chunk) keys in the topic.
-    With `held_out`, every request id is one the trainers only ever evaluate on. A later call for the
+    With `held_out`, every request is one the trainers only ever evaluate on. A later call for the
     same workload names another `batch`: its request ids are new."""
     publisher = RecordPublisher(
         PublisherConfig(bootstrap, "int8-g64", chunk_positions=48), target.fingerprint
@@ -238,8 +238,9 @@ def serve_into_kafka(
     prefix = f"{workload}-{batch}"  # a later batch's ids start with it, the first batch's do not
     ids = (f"{prefix}{i}" for i in itertools.count())
     for p in prompts:
-        rid = next(i for i in ids if is_held_out(i) == held_out) if held_out else None
-        engine.add(p, SamplingParams(max_tokens=64), rid, workload=workload)
+        # held out by the node's say-so in the record, whatever the id says
+        rid = next(i for i in ids if not is_held_out(i)) if held_out else None
+        engine.add(p, SamplingParams(max_tokens=64), rid, workload=workload, held_out=held_out or None)
     while engine.has_work:
         engine.step()
     publisher.close()

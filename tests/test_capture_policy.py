@@ -1,5 +1,6 @@
 """Capture rules per workload: from the command line, changed at run time, the client's opt-out wins;
-`auto` rules: the held-out share always, everything while the workload needs training."""
+`auto` rules: the held-out share always, everything while the workload needs training; which
+requests are held out."""
 
 from __future__ import annotations
 
@@ -7,20 +8,20 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tide.registry.store import is_held_out
-from tide.serving.capture import CapturePolicy, CaptureRule, TrainingAdvisor, parse_rules
+from tide.producers.records import is_held_out
+from tide.serving.capture import CapturePolicy, CaptureRule, Decision, TrainingAdvisor, parse_rules
 
 
 def test_rules_from_the_command_line() -> None:
     policy = CapturePolicy(parse_rules("code=on, chat_fr=0.25, *=off"), seed=1)
     assert policy.rule("code") == CaptureRule(True, 1.0)
     assert policy.rule("unknown") == CaptureRule(False, 1.0)
-    share = sum(policy.decide("chat_fr", opted_out=False) for _ in range(2000)) / 2000
+    share = sum(policy.decide("chat_fr", opted_out=False).capture for _ in range(2000)) / 2000
     assert 0.2 < share < 0.3
-    assert not any(policy.decide("code", opted_out=True) for _ in range(50))
-    assert not any(policy.decide("unknown", opted_out=False) for _ in range(50))
+    assert not any(policy.decide("code", opted_out=True).capture for _ in range(50))
+    assert not any(policy.decide("unknown", opted_out=False).capture for _ in range(50))
     policy.set("unknown", CaptureRule(True, 1.0))
-    assert all(policy.decide("unknown", opted_out=False) for _ in range(50))
+    assert all(policy.decide("unknown", opted_out=False).capture for _ in range(50))
 
 
 @pytest.mark.parametrize("spec", ["code", "code=maybe", "code=1.5", "Bad Name=on"])
@@ -29,22 +30,50 @@ def test_bad_rules_say_why(spec: str) -> None:
         parse_rules(spec)
 
 
+@dataclass
+class _Needs:
+    """An advisor set by hand that holds out by request id only."""
+
+    needs: dict[str, bool]
+
+    def __call__(self, workload: str) -> bool:
+        return self.needs[workload]
+
+    def hold_out(self, workload: str, by_id: bool) -> bool:
+        return by_id
+
+
 def test_auto_rules_follow_the_advisor() -> None:
     policy = CapturePolicy(parse_rules("code=auto,*=off"))
     assert policy.rule("code").auto
-    assert policy.decide("code", False)  # no advisor yet: capture
-    needs = {"code": False}
-    policy.advisor = lambda w: needs[w]
-    assert not policy.decide("code", False) and not policy.active("code")
-    needs["code"] = True
-    assert policy.decide("code", False) and policy.active("code")
-    assert not policy.decide("code", True)  # the client's opt-out still wins
+    assert policy.decide("code", False).capture  # no advisor yet: capture
+    advisor = _Needs({"code": False})
+    policy.advisor = advisor
+    assert not policy.decide("code", False).capture and not policy.active("code")
+    advisor.needs["code"] = True
+    assert policy.decide("code", False).capture and policy.active("code")
+    assert not policy.decide("code", True).capture  # the client's opt-out still wins
     assert not policy.active("other")
     ids = [f"req-{i}" for i in range(400)]
-    needs["code"] = False
-    captured = [i for i in ids if policy.decide("code", False, i)]
-    assert captured and all(is_held_out(i) for i in captured)  # the gate's share, all the time
-    assert len(captured) == sum(is_held_out(i) for i in ids)
+    advisor.needs["code"] = False
+    captured = [(i, policy.decide("code", False, i)) for i in ids]
+    held = [i for i, d in captured if d.capture]
+    assert held and all(is_held_out(i) and d.held_out for i, d in captured if d.capture)  # the gate's share
+    assert len(held) == sum(is_held_out(i) for i in ids)
+
+
+def test_a_prompt_that_comes_again_keeps_its_held_out_status() -> None:
+    policy = CapturePolicy(parse_rules("*=on"), remember_prompts=2)
+    trained = next(f"r{i}" for i in range(100) if not is_held_out(f"r{i}"))
+    held = next(f"r{i}" for i in range(100) if is_held_out(f"r{i}"))
+    assert policy.decide("w", False, trained, [1, 2]) == Decision(True, False)
+    assert policy.decide("w", False, held, [3]) == Decision(True, True)
+    # greedy decoding answers them as before: what was learnt from never evaluates, and back
+    assert policy.decide("w", False, held, [1, 2]) == Decision(True, False)
+    assert policy.decide("w", False, trained, [3]) == Decision(True, True)
+    policy.decide("w", False, trained, [4])
+    policy.decide("w", False, trained, [5])  # [1, 2] and [3] are forgotten: the id decides again
+    assert policy.decide("w", False, held, [1, 2]) == Decision(True, True)
 
 
 @dataclass
@@ -84,6 +113,30 @@ def test_training_lasts_from_a_shift_until_the_trainer_saturates() -> None:
     sync.saturated["w"] = 50.0
     now[0] = 60.0
     assert not advise("w") and not advise("w")  # still not paying, but nothing new: no endless training
+
+
+def test_after_a_shift_the_gate_gets_the_new_traffic_at_once() -> None:
+    """One request in ten by id leaves the first held-out request of a new workload to chance; from
+    the moment it needs training, every other captured request is held out until three are."""
+    signals, sync, now = _Signals(), _Sync(), [0.0]
+    advise = TrainingAdvisor(signals, sync, clock=lambda: now[0])
+    policy = CapturePolicy(parse_rules("*=auto"))
+    policy.advisor = advise
+    ids = [f"w-{i}" for i in range(60) if not is_held_out(f"w-{i}")]  # none held out by id
+    split = [policy.decide("w", False, rid, [i]) for i, rid in enumerate(ids[:8])]
+    assert all(d.capture for d in split)  # first sight: training
+    assert [d.held_out for d in split] == [True, False, True, False, True, False, False, False]
+    sync.saturated["w"] = 1.0
+    now[0] = 2.0
+    assert not policy.decide("w", False, ids[8], [8]).capture  # saturated: not captured
+    now[0], signals.shift = 10.0, True  # the traffic moved: the split starts again
+    split = [policy.decide("w", False, rid, [100 + i]) for i, rid in enumerate(ids[9:13])]
+    assert [(d.capture, d.held_out) for d in split] == [
+        (True, True),
+        (True, False),
+        (True, True),
+        (True, False),
+    ]
 
 
 def test_a_gate_that_keeps_refusing_ends_training_only_while_the_draft_pays() -> None:

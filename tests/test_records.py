@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from tide.producers.records import (
@@ -17,6 +20,7 @@ from tide.producers.records import (
     SchemaMismatch,
     decode,
     encode,
+    is_held_out,
 )
 
 FP = "f" * 64
@@ -42,6 +46,7 @@ def _record(
         chunk=seed % 5,
         first_position=17 * seed,
         last=seed % 2 == 0,
+        held_out=seed % 3 == 0,
     )
 
 
@@ -71,6 +76,7 @@ def test_round_trip(m: int, d: int, codec: str, zstd: bool, dtype: torch.dtype, 
         "chunk",
         "first_position",
         "last",
+        "held_out",
     ):
         assert getattr(out, name) == getattr(rec, name), name
     assert out.created_at == rec.created_at
@@ -121,3 +127,11 @@ def test_bad_bytes_get_a_clear_error_type() -> None:
     with pytest.raises(ValueError, match="inconsistent"):
         HiddenStateRecord(torch.zeros(3), torch.zeros(3, 6), torch.zeros(3, 2), torch.zeros(3, dtype=torch.bool),
                           FP, "v", "w", "r", 0, 0, True)  # fmt: skip
+
+
+def test_a_record_from_before_the_held_out_field_is_split_by_its_request_id() -> None:
+    for seed in range(30):
+        blob = encode(_record(4, 64, seed=seed), "bf16", zstd=False)
+        header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
+        meta = {k: v for k, v in header["__metadata__"].items() if k != "held_out"}
+        assert decode(st_save(st_load(blob), metadata=meta), FP).held_out == is_held_out(f"req-{seed}")

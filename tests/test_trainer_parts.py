@@ -61,7 +61,7 @@ def test_vocabulary_after_a_shift_keeps_older_words_as_filler() -> None:
 
 def test_shift_bench_repeats_keep_their_prompts_split() -> None:
     from tide.bench.shift import request_id
-    from tide.registry.store import is_held_out
+    from tide.producers.records import is_held_out
 
     ids = [request_id("code.jsonl", i, 10) for i in range(50)]
     assert len(set(ids)) == 50

@@ -29,7 +29,6 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead
 from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HiddenStateRecord
-from tide.registry.store import HELD_OUT_PERCENT, is_held_out
 from tide.trainers.checkpoint import Ledger, load_checkpoint, save_checkpoint
 from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, evaluate, select_vocab
 
@@ -51,7 +50,6 @@ class OnlineConfig:
     # without new records (most of them: a trainer outpaces its traffic) train mostly on the new
     # workload instead of in proportion to its small share of the buffer
     recent_examples: int = 64
-    held_out_percent: int = HELD_OUT_PERCENT  # requests whose records only ever evaluate
     # held-out examples: those of the last `held_out_seconds` (after a shift the held-out set must be
     # the new traffic soon), at most `held_out_positions`, at least `held_out_floor` when there are
     held_out_positions: int = 1536
@@ -279,7 +277,7 @@ class OnlineTrainer:
                 continue
             self.ledger.trained.add(key)
             self.ledger.records += 1
-            held = is_held_out(c.record.request_id, self.cfg.held_out_percent)
+            held = c.record.held_out
             ex = example_of(c.record, self.head.lm_head if held else None)
             if ex is None:
                 continue

@@ -34,9 +34,10 @@ from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.producers.records import is_held_out
 from tide.prompts import load_prompts, split
-from tide.registry.store import CHAMPION, is_held_out, register_folder
-from tide.serving.capture import CapturePolicy, CaptureRule, TrainingAdvisor
+from tide.registry.store import CHAMPION, register_folder
+from tide.serving.capture import CapturePolicy, CaptureRule, Decision, TrainingAdvisor
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.engine import Engine, EngineConfig
@@ -106,8 +107,9 @@ class System:
                 self.cursor[workload] = i + 1
                 self.started[phase] += 1
                 rid = request_id(workload, i, len(prompts))
-                capture = self.capture.decide(WORKLOAD, False, rid) if self.capture else False
-                e.add(prompts[i % len(prompts)], params, rid, workload=WORKLOAD, capture=capture)
+                prompt = prompts[i % len(prompts)]
+                d = self.capture.decide(WORKLOAD, False, rid, prompt) if self.capture else Decision(False)
+                e.add(prompt, params, rid, workload=WORKLOAD, capture=d.capture, held_out=d.held_out)
             tokens += sum(len(o.new_tokens) for o in e.step())
         self.slots.append(Slot(start - t0, time.perf_counter() - start, tokens,
                                e.stats.steps - steps0, e.stats.emitted - emitted0))  # fmt: skip

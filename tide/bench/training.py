@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from tide.models.eagle3 import DraftConfig, Eagle3Draft
 from tide.models.loader import load_target
 from tide.producers.consumer import RecordConsumer
 from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.producers.records import is_held_out
 from tide.producers.topics import TopicConfig
 from tide.prompts import load_prompts
 from tide.serving.engine import Engine, EngineConfig, Sequence
@@ -63,10 +63,6 @@ def _topic_bytes(log_dir: Path) -> int:
         for p in d.rglob("*")
         if p.is_file()
     )
-
-
-def _held_out(request_id: str, percent: int) -> bool:
-    return zlib.crc32(request_id.encode()) % 100 < percent
 
 
 def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
@@ -136,7 +132,7 @@ def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
                     consumed += len(got)
                     t = time.perf_counter()
                     for c in got:
-                        if _held_out(c.record.request_id, cfg.held_out_percent):
+                        if is_held_out(c.record.request_id, cfg.held_out_percent):
                             continue  # both drafts are evaluated on the baseline's exact states
                         ex = example_of(c.record, None)
                         if ex is not None:
@@ -193,7 +189,7 @@ def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
     prefill_s = time.perf_counter() - t
     t = time.perf_counter()
     for key, ex in list(keyed.items()):
-        if _held_out(key.split(":")[0], cfg.held_out_percent):
+        if is_held_out(key.split(":")[0], cfg.held_out_percent):
             del keyed[key]
             held.append(ex)
         else:
