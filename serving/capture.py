@@ -7,10 +7,11 @@ time: they cost a tenth of full capture, and the gate needs today's traffic to j
 workload that comes back is noticed there even when nothing here shifted).
 
 Which requests are held out (their records only ever evaluate drafts) is decided here and written
-into the records: one in ten by request id (`records.is_held_out`), and, from the moment a workload
-needs training, every other captured request until `held_out_after_shift` are. A shift is when the
-gate has none of the new traffic to judge by, and one in ten leaves that to chance (one workload
-here waited 37 requests for its first). A prompt that comes again keeps its status: greedy decoding
+into the records: one in ten by request id (`records.is_held_out`), and, while a workload needs
+training, every other captured request while fewer than `held_out_min` of the last
+`held_out_window` seconds are: the gate judges on that window. After a shift the gate has none of
+the new traffic to judge by, and one in ten leaves that to chance (one workload here waited 37
+requests for its first); at high traffic one in ten fills the window and nothing more is held out. A prompt that comes again keeps its status: greedy decoding
 repeats its text, so a prompt the trainers learnt from must never evaluate a draft, nor the other
 way round (this node remembers the last `remember_prompts` it captured).
 """
@@ -21,7 +22,7 @@ import random
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -167,15 +168,18 @@ class TrainingAdvisor:
         controller: Controller,
         sync: DraftSync | None,
         clock: Callable[[], float] = time.time,
-        held_out_after_shift: int = 3,
+        held_out_min: int = 3,
+        held_out_window: float = 120.0,
     ):
         self.controller = controller
         self.sync = sync
         self.clock = clock  # the sync's clock: saturation times come from it
-        self.held_out_after_shift = held_out_after_shift
+        self.held_out_min = held_out_min
+        self.held_out_window = held_out_window
         self.since: dict[str, float] = {}  # workloads that need training, since when
         self._needed: dict[str, bool] = {}  # the last call's verdict on the controller's signals
-        self._split: dict[str, tuple[float, int, int]] = {}  # since, requests held out, trained on
+        self._held_at: dict[str, deque[float]] = {}  # when requests were held out, per workload
+        self._last_held: dict[str, bool] = {}  # was the last captured request held out?
 
     def __call__(self, workload: str) -> bool:
         needed = self.controller.needs_training(workload)
@@ -197,15 +201,16 @@ class TrainingAdvisor:
         return True
 
     def hold_out(self, workload: str, by_id: bool) -> bool:
-        """A captured request: held out by its id, or, since the workload needs training, every
-        other one until `held_out_after_shift` are (the first of them too: the gate needs the new
-        traffic before the trainer has anything to show)."""
-        since = self.since.get(workload)
-        if since is None:
-            return by_id
-        start, held, trained = self._split.get(workload, (since, 0, 0))
-        if start != since:
-            held = trained = 0
-        out = by_id or (held < self.held_out_after_shift and held <= trained)
-        self._split[workload] = (since, held + out, trained + (not out))
+        """A captured request: held out by its id, or, while the workload needs training and the
+        gate's window holds fewer than `held_out_min` held-out requests, every other one (the first
+        too: the gate needs the new traffic before the trainer has anything to show)."""
+        now = self.clock()
+        held = self._held_at.setdefault(workload, deque())
+        while held and held[0] < now - self.held_out_window:
+            held.popleft()
+        short = workload in self.since and len(held) < self.held_out_min
+        out = by_id or (short and not self._last_held.get(workload, False))
+        if out:
+            held.append(now)
+        self._last_held[workload] = out
         return out

@@ -116,27 +116,25 @@ def test_training_lasts_from_a_shift_until_the_trainer_saturates() -> None:
 
 
 def test_after_a_shift_the_gate_gets_the_new_traffic_at_once() -> None:
-    """One request in ten by id leaves the first held-out request of a new workload to chance; from
-    the moment it needs training, every other captured request is held out until three are."""
+    """One request in ten by id leaves the first held-out request of a new workload to chance; while
+    it needs training, every other captured request is held out until the gate's window holds three."""
     signals, sync, now = _Signals(), _Sync(), [0.0]
     advise = TrainingAdvisor(signals, sync, clock=lambda: now[0])
     policy = CapturePolicy(parse_rules("*=auto"))
     policy.advisor = advise
-    ids = [f"w-{i}" for i in range(60) if not is_held_out(f"w-{i}")]  # none held out by id
-    split = [policy.decide("w", False, rid, [i]) for i, rid in enumerate(ids[:8])]
-    assert all(d.capture for d in split)  # first sight: training
-    assert [d.held_out for d in split] == [True, False, True, False, True, False, False, False]
-    sync.saturated["w"] = 1.0
-    now[0] = 2.0
-    assert not policy.decide("w", False, ids[8], [8]).capture  # saturated: not captured
-    now[0], signals.shift = 10.0, True  # the traffic moved: the split starts again
-    split = [policy.decide("w", False, rid, [100 + i]) for i, rid in enumerate(ids[9:13])]
-    assert [(d.capture, d.held_out) for d in split] == [
-        (True, True),
-        (True, False),
-        (True, True),
-        (True, False),
-    ]
+    ids = iter(f"w-{i}" for i in range(200) if not is_held_out(f"w-{i}"))  # none held out by id
+
+    def serve(n: int) -> list[tuple[bool, bool]]:
+        return [(d.capture, d.held_out) for d in (policy.decide("w", False, next(ids)) for _ in range(n))]
+
+    assert serve(8) == [(True, True), (True, False)] * 3 + [(True, False)] * 2  # first sight: training
+    now[0], signals.shift = 60.0, True  # the detector fires again within the gate's window
+    assert serve(2) == [(True, False)] * 2  # three held out in the last two minutes are enough
+    sync.saturated["w"] = 61.0
+    now[0], signals.shift = 62.0, False
+    assert serve(1) == [(False, False)]  # saturated: not captured
+    now[0], signals.shift = 300.0, True  # the traffic moved, and the window holds none of it
+    assert serve(6) == [(True, True), (True, False)] * 3
 
 
 def test_a_gate_that_keeps_refusing_ends_training_only_while_the_draft_pays() -> None:
