@@ -593,6 +593,7 @@ def bench_shift(
     max_batch: int = typer.Option(1, "--max-batch", help="1: where speculation pays most on a CPU"),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
     model: str | None = typer.Option(None, "--model"),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="the target's (float32 where bf16 is not native)"),
     work_dir: Path | None = typer.Option(None, "--work-dir", help="broker, registry, trainer state"),
     out: Path = typer.Option(Path("out/bench_shift.json"), "--out"),
     plot: Path | None = typer.Option(None, "--plot", help="PNG: throughput ratio and acceptance over time"),
@@ -608,7 +609,7 @@ def bench_shift(
             raise typer.BadParameter(f"no such prompt file: {f}", param_hint="--schedule")
     cfg = ShiftBenchConfig(files, static_draft, phase_seconds=phase_seconds, slot_seconds=slot_seconds,
                            window_seconds=window_seconds, max_batch=max_batch, max_new_tokens=max_new_tokens,
-                           model=model, work_dir=work_dir)  # fmt: skip
+                           model=model, work_dir=work_dir, dtype=_dtype(dtype))  # fmt: skip
     with _clear_errors():
         report = run_shift_bench(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)

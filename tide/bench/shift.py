@@ -59,6 +59,9 @@ class ShiftBenchConfig:
     max_new_tokens: int = 96
     static_gamma: int = 3
     model: str | None = None
+    # the target's dtype: bf16 where the hardware has it (on an AVX2-only CPU it is emulated and
+    # compute-bound, so verifying 4 tokens costs about 3x one: float32 there)
+    dtype: torch.dtype = torch.bfloat16
     work_dir: Path | None = None  # broker, registry and trainer state (default: a temporary folder)
     end_seconds: float = 120.0  # "by the end of a phase": its last this many seconds
 
@@ -141,7 +144,7 @@ def run_shift_bench(cfg: ShiftBenchConfig) -> dict[str, Any]:
     with KafkaBroker(work / "kafka") as kafka, MlflowServer(work / "mlflow") as mlflow:
         _pin(serving_cores)
         torch.set_num_threads(len(serving_cores))
-        target = load_target(cfg.model, torch.bfloat16)
+        target = load_target(cfg.model, cfg.dtype)
         # the static draft learnt the first workload's training prompts: that workload serves its test
         # prompts; the others serve all of theirs (no draft here has seen them)
         phases = [
@@ -334,6 +337,7 @@ def _report(
             "max_batch": cfg.max_batch,
             "max_new_tokens": cfg.max_new_tokens,
             "static_gamma": cfg.static_gamma,
+            "dtype": str(cfg.dtype).removeprefix("torch."),
             "static_draft": str(cfg.static_draft),
         },
         "phases": phases,
