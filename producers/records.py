@@ -152,6 +152,14 @@ def encode(record: HiddenStateRecord, codec: str = "int8-g64", zstd: bool = True
     return blob
 
 
+def _held_out(meta: dict[str, str]) -> bool:
+    if "held_out" not in meta:  # a node from before the field: the split by id it was made under
+        return is_held_out(meta["request_id"])
+    if meta["held_out"] not in ("0", "1"):  # guessing could train on what only evaluates
+        raise ValueError(f"held_out is {meta['held_out'][:16]!r}, not 0 or 1")
+    return meta["held_out"] == "1"
+
+
 def decode(data: bytes, expect_fingerprint: str | None = None) -> HiddenStateRecord:
     """Bytes -> record; raises a RecordError subclass for anything that is not a record we can use."""
     if data[:4] == _ZSTD_MAGIC:
@@ -187,8 +195,7 @@ def decode(data: bytes, expect_fingerprint: str | None = None) -> HiddenStateRec
             chunk=int(meta["chunk"]),
             first_position=int(meta["first_position"]),
             last=meta["last"] == "1",
-            # records of nodes from before the field: the split by request id they were made under
-            held_out=meta["held_out"] == "1" if "held_out" in meta else is_held_out(meta["request_id"]),
+            held_out=_held_out(meta),
             created_at=float(meta["created_at"]),
         )
     except (KeyError, ValueError, RuntimeError) as e:

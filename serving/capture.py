@@ -11,9 +11,10 @@ into the records: one in ten by request id (`records.is_held_out`), and, while a
 training, every other captured request while fewer than `held_out_min` of the last
 `held_out_window` seconds are: the gate judges on that window. After a shift the gate has none of
 the new traffic to judge by, and one in ten leaves that to chance (one workload here waited 37
-requests for its first); at high traffic one in ten fills the window and nothing more is held out. A prompt that comes again keeps its status: greedy decoding
-repeats its text, so a prompt the trainers learnt from must never evaluate a draft, nor the other
-way round (this node remembers the last `remember_prompts` it captured).
+requests for its first); at high traffic one in ten fills the window and nothing more is held out.
+A prompt that comes again keeps its status: greedy decoding repeats its text, so a prompt the
+trainers learnt from must never evaluate a draft, nor the other way round (this node remembers the
+last `remember_prompts` it captured; traffic that repeats a few prompts keeps the share they drew).
 """
 
 from __future__ import annotations

@@ -135,3 +135,5 @@ def test_a_record_from_before_the_held_out_field_is_split_by_its_request_id() ->
         header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
         meta = {k: v for k, v in header["__metadata__"].items() if k != "held_out"}
         assert decode(st_save(st_load(blob), metadata=meta), FP).held_out == is_held_out(f"req-{seed}")
+    with pytest.raises(CorruptRecord, match="held_out"):  # neither: never guessed into training
+        decode(st_save(st_load(blob), metadata={**meta, "held_out": "yes"}), FP)

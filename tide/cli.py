@@ -593,7 +593,7 @@ def bench_shift(
     max_batch: int = typer.Option(1, "--max-batch", help="1: where speculation pays most on a CPU"),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
     model: str | None = typer.Option(None, "--model"),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="the target's (float32 where bf16 is not native)"),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="the target's: bfloat16 or float32"),
     work_dir: Path | None = typer.Option(None, "--work-dir", help="broker, registry, trainer state"),
     out: Path = typer.Option(Path("out/bench_shift.json"), "--out"),
     plot: Path | None = typer.Option(None, "--plot", help="PNG: throughput ratio and acceptance over time"),

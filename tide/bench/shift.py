@@ -59,8 +59,7 @@ class ShiftBenchConfig:
     max_new_tokens: int = 96
     static_gamma: int = 3
     model: str | None = None
-    # the target's dtype: bf16 where the hardware has it (on an AVX2-only CPU it is emulated and
-    # compute-bound, so verifying 4 tokens costs about 3x one: float32 there)
+    # the target's dtype; on a CPU without native bf16 (AVX2 only) bf16 matmuls are emulated
     dtype: torch.dtype = torch.bfloat16
     work_dir: Path | None = None  # broker, registry and trainer state (default: a temporary folder)
     end_seconds: float = 120.0  # "by the end of a phase": its last this many seconds
