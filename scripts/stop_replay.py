@@ -59,7 +59,7 @@ def main() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
-    target = load_target(None, torch.bfloat16)
+    target = load_target(None)
     m = target.model
 
     def load() -> Eagle3Draft:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tide.config import native_dtype
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.infra.process import free_port, wait_http_ok
@@ -46,8 +47,9 @@ def target_fp32() -> Target:
 
 
 @pytest.fixture(scope="session")
-def target_bf16() -> Target:
-    return load_target(dtype=torch.bfloat16)
+def target_native(target_fp32: Target) -> Target:
+    """The default model in the dtype `tide serve` picks here: bf16 where the CPU runs it natively."""
+    return target_fp32 if native_dtype() == torch.float32 else load_target(dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

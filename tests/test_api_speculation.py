@@ -82,15 +82,15 @@ def test_stop_and_max_tokens_inside_accepted_bursts_cut_exactly(target_fp32, tra
         assert stops >= 2
 
 
-def test_capture_follows_the_header_and_the_workload_policy(target_bf16) -> None:
+def test_capture_follows_the_header_and_the_workload_policy(target_native) -> None:
     events: list[TapEvent] = []
     engine = Engine(
-        target_bf16, None, EngineConfig(max_batch=2, max_model_len=256, gamma=0), tap=events.append
+        target_native, None, EngineConfig(max_batch=2, max_model_len=256, gamma=0), tap=events.append
     )
     policy = CapturePolicy()
     policy.set("quiet", CaptureRule(enabled=False))
     body = {"model": "tide", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
-    with TestClient(make_app(target_bf16, engine, ServerConfig(capture=policy))) as client:
+    with TestClient(make_app(target_native, engine, ServerConfig(capture=policy))) as client:
         ids = {}
         for name, headers in {
             "captured": {"X-Tide-Workload": "news"},
@@ -104,4 +104,4 @@ def test_capture_follows_the_header_and_the_workload_policy(target_bf16) -> None
     assert seen == {ids["captured"]}
     assert {e.workload for e in events} == {"news"}
     captured = sorted((e for e in events), key=lambda e: e.first_position)
-    assert sum(len(e.tokens) for e in captured) >= len(target_bf16.tok.encode(body["prompt"]))
+    assert sum(len(e.tokens) for e in captured) >= len(target_native.tok.encode(body["prompt"]))

@@ -64,9 +64,9 @@ def _metric(url: str, name: str) -> float:
 
 
 def test_every_http_request_lands_in_its_workload_topic(
-    kafka: KafkaBroker, trained_draft_dir: Path, target_bf16: Target, tmp_path: Path
+    kafka: KafkaBroker, trained_draft_dir: Path, target_native: Target, tmp_path: Path
 ) -> None:
-    tok = target_bf16.tok
+    tok = target_native.tok
     args = ["--draft", str(trained_draft_dir), "--gamma", "3", "--max-batch", "4", "--max-model-len", "512",
             "--kafka", kafka.bootstrap, "--chunk-positions", "24"]  # fmt: skip
     workload = f"http-{uuid.uuid4().hex[:6]}"
@@ -108,7 +108,7 @@ def test_every_http_request_lands_in_its_workload_topic(
         private = client.post("/v1/completions", headers={"X-Tide-Capture": "off"},
                               json={"model": "tide", "prompt": "my secret", "max_tokens": 8}).json()  # fmt: skip
         ids = {r["id"].split("-", 1)[1]: (prompt, r) for prompt, r in answered}
-        by_request, consumer = _drain(kafka.bootstrap, workload, target_bf16.fingerprint, set(ids))
+        by_request, consumer = _drain(kafka.bootstrap, workload, target_native.fingerprint, set(ids))
         assert _metric(url, "tide_capture_records_published_total") == sum(
             len(v) for v in by_request.values()
         )
@@ -131,19 +131,19 @@ def test_every_http_request_lands_in_its_workload_topic(
         records = by_request[rid]
         multi_chunk += len(records) > 1
         assert all(
-            r.workload == workload and r.target_fingerprint == target_bf16.fingerprint for r in records
+            r.workload == workload and r.target_fingerprint == target_native.fingerprint for r in records
         )
         assert records[0].prefill[: len(prompt) - 1].all() and not records[-1].prefill[-1]
     assert multi_chunk >= 3  # chunking was exercised
 
 
-def test_broker_outage_drops_records_never_requests(target_bf16: Target, tmp_path: Path) -> None:
+def test_broker_outage_drops_records_never_requests(target_native: Target, tmp_path: Path) -> None:
     broker = KafkaBroker(tmp_path / "kafka").start()
     try:
         cfg = PublisherConfig(broker.bootstrap, "int8-g64", chunk_positions=32, delivery_timeout_ms=3000)
-        publisher = RecordPublisher(cfg, target_bf16.fingerprint)
+        publisher = RecordPublisher(cfg, target_native.fingerprint)
         engine = Engine(
-            target_bf16, None, EngineConfig(max_batch=4, max_model_len=256, gamma=0), tap=publisher
+            target_native, None, EngineConfig(max_batch=4, max_model_len=256, gamma=0), tap=publisher
         )
         body = {"model": "tide", "prompt": "The weather today is", "max_tokens": 12, "temperature": 0}
 
@@ -157,7 +157,7 @@ def test_broker_outage_drops_records_never_requests(target_bf16: Target, tmp_pat
                 ids.append(r.json()["id"].split("-", 1)[1])
             return ids
 
-        with TestClient(make_app(target_bf16, engine, publisher=publisher)) as client:
+        with TestClient(make_app(target_native, engine, publisher=publisher)) as client:
             before = burst(client, 3)
             publisher.flush()
             assert publisher.stats.records_published == 3 and publisher.stats.records_failed == 0
@@ -182,7 +182,7 @@ def test_broker_outage_drops_records_never_requests(target_bf16: Target, tmp_pat
                 after += burst(client, 1)
                 publisher.flush(5)
             assert publisher.stats.records_published > published, "publishing did not resume"
-        by_request, _ = _drain(broker.bootstrap, "outage", target_bf16.fingerprint, {after[-1]})
+        by_request, _ = _drain(broker.bootstrap, "outage", target_native.fingerprint, {after[-1]})
         assert set(before) <= set(by_request) and after[-1] in by_request
         assert not set(during) & set(by_request)  # dropped, not delivered twice or late
     finally:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from tide.cli import app
+from tide.config import native_dtype
 
 from .conftest import WORKLOADS
 
@@ -35,7 +36,11 @@ def test_bench_spec_report(trained_draft_dir: Path, tmp_path: Path) -> None:
     assert r["baseline"]["tokens_per_s"] > 0 and r["speculative"]["tokens_per_s"] > 0
     assert len(r["speculative"]["accept_rate_by_depth"]) == 3
     assert r["speculative"]["mean_accept_length"] >= 1.0
-    assert 0 <= r["greedy_match_rate"] <= 1 and r["dtype"] == "bfloat16" and r["batch_size"] == 2
+    assert (
+        0 <= r["greedy_match_rate"] <= 1
+        and r["dtype"] == str(native_dtype()).removeprefix("torch.")
+        and r["batch_size"] == 2
+    )
     assert len(r["divergence_top2_logit_gaps"]) == round((1 - r["greedy_match_rate"]) * r["prompts"])
     assert r["predicted_speedup"] > 0 and 0 <= r["tap_overhead"] < 1
 

@@ -227,26 +227,26 @@ def test_the_chain_stops_where_the_draft_is_unsure() -> None:
     assert max(widths[0.0]) >= 3, widths
 
 
-def test_adaptive_on_the_default_model(target_bf16: Target, trained_draft_dir: Path) -> None:
+def test_adaptive_on_the_default_model(target_native: Target, trained_draft_dir: Path) -> None:
     """SmolLM2 with its code draft, batches of 4: on for code, off for French, which the code draft
     does not fit, in the same engine (one workload label each)."""
     from tide.prompts import load_prompts, split
 
     from .conftest import WORKLOADS
 
-    model = target_bf16.model
+    model = target_native.model
     draft = Eagle3Draft.load(
-        trained_draft_dir, model.embed_tokens, target_bf16.config, target_bf16.fingerprint, torch.bfloat16
+        trained_draft_dir, model.embed_tokens, target_native.config, target_native.fingerprint, model.dtype
     )
     controller = build_controller(
         model, draft, ControllerConfig(max_gamma=6), max_batch=4, batch_sizes=(1, 4)
     )
-    engine = Engine(target_bf16, draft, EngineConfig(max_batch=4, max_model_len=512, gamma=4, max_gamma=6),
+    engine = Engine(target_native, draft, EngineConfig(max_batch=4, max_model_len=512, gamma=4, max_gamma=6),
                     controller=controller)  # fmt: skip
     params = SamplingParams(max_tokens=48)
     for name, workload in (("code.jsonl", "code"), ("chat_fr.jsonl", "fr")):
         for p in split(load_prompts(WORKLOADS / name), "test")[:8]:
-            engine.add(p.token_ids(target_bf16.tok)[-200:], params, workload=workload)
+            engine.add(p.token_ids(target_native.tok)[-200:], params, workload=workload)
         while engine.has_work:
             engine.step()
         if workload == "code":

@@ -25,8 +25,8 @@ def _stream(tok, prompt: list[int], ids: list[int]) -> list[str]:
     return deltas
 
 
-def test_multilingual_samples_stream_whole_characters(target_bf16) -> None:
-    tok = target_bf16.tok
+def test_multilingual_samples_stream_whole_characters(target_native) -> None:
+    tok = target_native.tok
     prompt = tok.encode("Translate:")
     for text in SAMPLES:
         ids = tok.encode(text)
@@ -40,9 +40,9 @@ def test_multilingual_samples_stream_whole_characters(target_bf16) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=60), cut=st.integers(0, 60))
-def test_any_prefix_streams_to_the_full_decode(target_bf16, text: str, cut: int) -> None:
+def test_any_prefix_streams_to_the_full_decode(target_native, text: str, cut: int) -> None:
     """Stopping anywhere (max_tokens inside a character) still yields exactly decode(prefix)."""
-    tok = target_bf16.tok
+    tok = target_native.tok
     ids = tok.encode(text)[:cut] or tok.encode(text)
     deltas = _stream(tok, tok.encode("Q:"), ids)
     assert "".join(deltas) == tok.decode(ids)

@@ -71,7 +71,7 @@ def runs_version(url: str, workload: str, version: str) -> bool:
 def test_the_loop_raises_acceptance_on_a_mismatched_workload(
     kafka: KafkaBroker,
     s3: S3Server,
-    target_bf16: Target,
+    target_native: Target,
     trained_draft_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -86,7 +86,7 @@ def test_the_loop_raises_acceptance_on_a_mismatched_workload(
     # its own registry: a default champion here must not leak into other tests' baselines
     with MlflowServer(tmp_path / "mlflow", s3=s3, bucket="tide-e2e") as mlflow:
         # the operator registered the code draft as the default champion: the baseline to beat
-        default = Registrar(mlflow.url, target_bf16.fingerprint, "default")
+        default = Registrar(mlflow.url, target_native.fingerprint, "default")
         default.champion(default.register(trained_draft_dir))
         node = ["--draft", str(trained_draft_dir), "--kafka", kafka.bootstrap, "--registry", mlflow.url,
                 "--registry-poll", "2", "--workloads", workload, "--max-batch", "4", "--max-model-len", "768",
@@ -120,7 +120,7 @@ def test_the_loop_raises_acceptance_on_a_mismatched_workload(
                         if swapped is None and workload in drafts(url):
                             swapped = time.monotonic()
             # trainer and gate stopped: measure on the last champion, once the node runs it
-            name = Registrar(mlflow.url, target_bf16.fingerprint, workload).name
+            name = Registrar(mlflow.url, target_native.fingerprint, workload).name
             champion = default.client.get_model_version_by_alias(name, "champion")
             wait_for("the last champion", partial(runs_version, url, workload, str(champion.version)))
             after = acceptance(url, workload, evaluation)  # French on the promoted French draft

@@ -35,25 +35,25 @@ def test_greedy_speculation_is_token_identical_in_fp32(target_fp32, trained_draf
     assert accepted > 0  # the trained draft was right often enough to exercise multi-token acceptance
 
 
-def test_sampled_speculation_runs_on_the_default_model(target_bf16, trained_draft_dir) -> None:
-    """bf16, sampling, stop strings and max_tokens inside accepted bursts: well-formed results."""
-    prompts = _prompts(target_bf16, 8)
-    engine = Engine(target_bf16, None, EngineConfig(max_batch=4, max_model_len=256, gamma=4))
+def test_sampled_speculation_runs_on_the_default_model(target_native, trained_draft_dir) -> None:
+    """The serving dtype, sampling, stop strings and max_tokens inside accepted bursts: well-formed results."""
+    prompts = _prompts(target_native, 8)
+    engine = Engine(target_native, None, EngineConfig(max_batch=4, max_model_len=256, gamma=4))
     engine.load_draft(trained_draft_dir)
     params = [SamplingParams(temperature=0.7, top_p=0.9, seed=i, max_tokens=5 + i) for i in range(8)]
     seqs = engine.generate(prompts, params)
     for s, p in zip(seqs, params, strict=True):
         assert 1 <= len(s.output) <= p.max_tokens
         assert s.finish_reason in ("stop", "length")
-        assert all(0 <= t < target_bf16.config.vocab_size for t in s.output)
+        assert all(0 <= t < target_native.config.vocab_size for t in s.output)
     # a stop string ends the output right before it, wherever in a burst it falls
-    tok = target_bf16.tokenizer
-    ref = Engine(target_bf16, None, EngineConfig(max_batch=1, max_model_len=256, gamma=0)).generate(
+    tok = target_native.tokenizer
+    ref = Engine(target_native, None, EngineConfig(max_batch=1, max_model_len=256, gamma=0)).generate(
         prompts[:1], SamplingParams(max_tokens=40)
     )[0]
     text = tok.decode(ref.output)
     stop = text[10:14]
-    engine2 = Engine(target_bf16, None, EngineConfig(max_batch=1, max_model_len=256, gamma=4))
+    engine2 = Engine(target_native, None, EngineConfig(max_batch=1, max_model_len=256, gamma=4))
     engine2.load_draft(trained_draft_dir)
     s = engine2.generate(prompts[:1], SamplingParams(max_tokens=40, stop=(stop,)))[0]
     assert s.finish_reason == "stop"

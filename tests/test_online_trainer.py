@@ -30,10 +30,10 @@ from .conftest import serve_into_kafka
 
 
 def test_trainer_publishes_candidates_with_their_evidence(
-    kafka: KafkaBroker, mlflow_server: str, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
+    kafka: KafkaBroker, mlflow_server: str, target_native: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     workload = f"fr-{uuid.uuid4().hex[:6]}"
-    published = serve_into_kafka(target_bf16, kafka.bootstrap, workload, "chat_fr.jsonl", 24)
+    published = serve_into_kafka(target_native, kafka.bootstrap, workload, "chat_fr.jsonl", 24)
     head = load_head()
     cfg = OnlineConfig(kafka.bootstrap, workload, tmp_path / "state", eval_every=4, checkpoint_every=8,
                        publish_every=16, vocab_warmup_positions=512)  # fmt: skip
@@ -103,10 +103,10 @@ def _train_process(
 
 
 def test_sigkill_loses_nothing_and_trains_nothing_twice(
-    kafka: KafkaBroker, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
+    kafka: KafkaBroker, target_native: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     workload = f"kill-{uuid.uuid4().hex[:6]}"
-    published = serve_into_kafka(target_bf16, kafka.bootstrap, workload, "code.jsonl", 32)
+    published = serve_into_kafka(target_native, kafka.bootstrap, workload, "code.jsonl", 32)
     state, log = tmp_path / "state", tmp_path / "train.log"
     proc = _train_process(kafka, workload, state, trained_draft_dir, log)
     deadline = time.monotonic() + 240

@@ -24,18 +24,18 @@ from .drafts import Registrar, foreign_draft, nan_draft, noisy_draft
 
 @pytest.fixture(scope="module")
 def gate_setup(
-    kafka: KafkaBroker, registry: MlflowServer, target_bf16: Target, trained_draft_dir: Path
+    kafka: KafkaBroker, registry: MlflowServer, target_native: Target, trained_draft_dir: Path
 ) -> tuple[Gate, Registrar]:
     workload = f"gate-{uuid.uuid4().hex[:6]}"
     # held-out records of the workload: request ids the trainers never learn from
-    serve_into_kafka(target_bf16, kafka.bootstrap, workload, "code.jsonl", 8, held_out=True)
-    reg = Registrar(registry.url, target_bf16.fingerprint, workload)
+    serve_into_kafka(target_native, kafka.bootstrap, workload, "code.jsonl", 8, held_out=True)
+    reg = Registrar(registry.url, target_native.fingerprint, workload)
     draft = Eagle3Draft.load(
-        trained_draft_dir, target_bf16.model.embed_tokens, target_bf16.config, target_bf16.fingerprint,
-        torch.bfloat16,
+        trained_draft_dir, target_native.model.embed_tokens, target_native.config, target_native.fingerprint,
+        target_native.model.dtype,
     )  # fmt: skip
     # step times as a serving node publishes them: the gate scores by the cost model's speedup
-    profile = measure_profile(target_bf16.model, draft, 1, 256, 5, repeats=3)
+    profile = measure_profile(target_native.model, draft, 1, 256, 5, repeats=3)
     reg.client.set_registered_model_tag(reg.name, PROFILE_TAG, profile.to_json("test-node"))
     # the records are served once, here: the whole module judges on all of them, however long it runs
     cfg = GateConfig(registry.url, kafka.bootstrap, registry.data_dir / "gate-cache", held_out_seconds=3600)
@@ -137,7 +137,7 @@ def test_gate_recalls_an_earlier_champion_that_serves_better(
 
 
 def test_gate_brings_an_earlier_champion_back_when_its_traffic_comes_back(
-    gate_setup: tuple[Gate, Registrar], target_bf16: Target, kafka: KafkaBroker
+    gate_setup: tuple[Gate, Registrar], target_native: Target, kafka: KafkaBroker
 ) -> None:
     gate, reg = gate_setup
     good, weak = reg.alias("champion"), reg.alias("previous")
@@ -146,7 +146,9 @@ def test_gate_brings_an_earlier_champion_back_when_its_traffic_comes_back(
     reg.client.set_registered_model_alias(reg.name, "champion", weak)
     assert not [d for d in gate.run_once() if d.name == reg.name]  # no new held-out traffic: nothing to judge
     # the good draft's traffic comes back: new held-out records, and the gate weighs the champions again
-    serve_into_kafka(target_bf16, kafka.bootstrap, reg.workload, "code.jsonl", 3, held_out=True, batch="back")
+    serve_into_kafka(
+        target_native, kafka.bootstrap, reg.workload, "code.jsonl", 3, held_out=True, batch="back"
+    )
     decisions = [d for d in gate.run_once() if d.name == reg.name]
     assert [d.decision for d in decisions] == ["recalled"] and decisions[0].version == good, decisions
     assert reg.alias("champion") == good and reg.alias("previous") == weak

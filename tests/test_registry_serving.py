@@ -93,9 +93,9 @@ def nodes(
 
 
 def test_nodes_refuse_broken_versions_and_converge_on_the_champion(
-    nodes: list[str], registry: MlflowServer, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
+    nodes: list[str], registry: MlflowServer, target_native: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
-    reg = Registrar(registry.url, target_bf16.fingerprint, FOLLOW)
+    reg = Registrar(registry.url, target_native.fingerprint, FOLLOW)
     for mv, reason in (
         (reg.register_wrong_checksum(trained_draft_dir), "checksum"),
         (reg.register(nan_draft(trained_draft_dir, tmp_path / "nan")), "invalid_weights"),
@@ -121,10 +121,10 @@ def test_nodes_refuse_broken_versions_and_converge_on_the_champion(
 
 
 def test_a_draft_that_falls_short_live_is_rolled_back(
-    nodes: list[str], registry: MlflowServer, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
+    nodes: list[str], registry: MlflowServer, target_native: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     url = nodes[0]
-    reg = Registrar(registry.url, target_bf16.fingerprint, ROLLBACK)
+    reg = Registrar(registry.url, target_native.fingerprint, ROLLBACK)
     honest = {f"gate.tau_gamma{g}": "1.0" for g in range(1, 5)}
     first = reg.register(copy_draft(trained_draft_dir, tmp_path / "first", "rb-first"), honest)
     reg.champion(first)
@@ -149,7 +149,7 @@ def test_a_draft_that_falls_short_live_is_rolled_back(
 
 
 def test_registry_or_store_away_serving_goes_on_and_catches_up(
-    target_bf16: Target, trained_draft_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    target_native: Target, trained_draft_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its own registry and S3 server, so stopping them disturbs no other test."""
     store = S3Server(tmp_path / "s3").start()
@@ -158,7 +158,7 @@ def test_registry_or_store_away_serving_goes_on_and_catches_up(
     mlflow = MlflowServer(tmp_path / "mlflow", s3=store, bucket="tide-away").start()
     try:
         workload = "away"
-        reg = Registrar(mlflow.url, target_bf16.fingerprint, workload)
+        reg = Registrar(mlflow.url, target_native.fingerprint, workload)
         v1 = reg.register(copy_draft(trained_draft_dir, tmp_path / "v1", "away-1"))
         reg.champion(v1)
         args = node_args(trained_draft_dir, mlflow.url, ("--workloads", workload))
@@ -189,7 +189,7 @@ def test_registry_or_store_away_serving_goes_on_and_catches_up(
 
 
 def test_the_sync_reads_when_training_stopped_paying_off(
-    registry: MlflowServer, target_bf16: Target, trained_draft_dir: Path, tmp_path: Path
+    registry: MlflowServer, target_native: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     """From the trainer's and the gate's tags: a trainer whose candidates stopped improving on each
     other is saturated; one whose candidates the gate kept refusing is outdone, until one is promoted."""
@@ -198,8 +198,8 @@ def test_the_sync_reads_when_training_stopped_paying_off(
     from tide.serving.draft_sync import DraftSync, SyncConfig
 
     workload = f"sat-{uuid.uuid4().hex[:4]}"
-    reg = Registrar(registry.url, target_bf16.fingerprint, workload)
-    engine = SimpleNamespace(target=target_bf16, workloads_seen=set())
+    reg = Registrar(registry.url, target_native.fingerprint, workload)
+    engine = SimpleNamespace(target=target_native, workloads_seen=set())
     sync = DraftSync(SyncConfig(registry.url, tmp_path / "cache", "t", patience=2, outdone_after=3), engine)
 
     def candidate(gain: float, decision: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import typer
 
-from tide.config import default_draft_dir, parse_dtype
+from tide.config import DTYPE_HELP, default_draft_dir, parse_dtype
 from tide.prompts import Prompt
 
 app = typer.Typer(
@@ -89,7 +89,7 @@ def draft_train(
         for f in prompts:
             chosen = split(load_prompts(f), part)
             items += chosen[:limit] if limit else chosen
-        target = load_target(model, parse_dtype("bfloat16"))
+        target = load_target(model)
     cfg = BootstrapConfig(
         budget_minutes=budget_minutes,
         max_new_tokens=max_new_tokens,
@@ -238,7 +238,7 @@ def serve(
     ),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
-    dtype: str = typer.Option("bfloat16", "--dtype"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     gamma: str = typer.Option(
         "4", "--gamma", help="draft tokens per step (0: no speculation), or 'auto': the controller chooses"
     ),
@@ -548,7 +548,7 @@ def bench_spec(
     draft: Path = typer.Option(..., "--draft"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     batch_size: int = typer.Option(1, "--batch-size"),
-    dtype: str = typer.Option("bfloat16", "--dtype"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     gamma: int = typer.Option(4, "--gamma"),
     part: str = typer.Option("test", "--part", help="train, test or all lines of the prompt file"),
     limit: int = typer.Option(16, "--limit", help="prompts to run (0: all)"),
@@ -593,7 +593,7 @@ def bench_shift(
     max_batch: int = typer.Option(1, "--max-batch", help="1: where speculation pays most on a CPU"),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
     model: str | None = typer.Option(None, "--model"),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="the target's: bfloat16 or float32"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     work_dir: Path | None = typer.Option(None, "--work-dir", help="broker, registry, trainer state"),
     out: Path = typer.Option(Path("out/bench_shift.json"), "--out"),
     plot: Path | None = typer.Option(None, "--plot", help="PNG: throughput ratio and acceptance over time"),

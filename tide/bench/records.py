@@ -119,7 +119,7 @@ def _capture_overhead(target: Target, prompts: list[list[int]], cfg: RecordsBenc
 
 
 def run_records_bench(cfg: RecordsBenchConfig) -> dict[str, Any]:
-    target = load_target(cfg.model, torch.bfloat16)
+    target = load_target(cfg.model)
     chosen: list[Prompt] = split(load_prompts(cfg.prompts), "all")[: cfg.limit]
     boot = BootstrapConfig(max_new_tokens=cfg.max_new_tokens)
     examples = collect(target, chosen, boot, time.monotonic() + 10**9)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tide.config import native_dtype
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import Eagle3Draft
@@ -59,8 +60,7 @@ class ShiftBenchConfig:
     max_new_tokens: int = 96
     static_gamma: int = 3
     model: str | None = None
-    # the target's dtype; on a CPU without native bf16 (AVX2 only) bf16 matmuls are emulated
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = field(default_factory=native_dtype)  # the target's
     work_dir: Path | None = None  # broker, registry and trainer state (default: a temporary folder)
     end_seconds: float = 120.0  # "by the end of a phase": its last this many seconds
 

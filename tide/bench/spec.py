@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from tide.config import native_dtype
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.prompts import load_prompts, split
@@ -30,7 +31,7 @@ class SpecBenchConfig:
     draft: Path
     max_new_tokens: int = 128
     batch_size: int = 1
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = field(default_factory=native_dtype)
     gamma: int = 4
     part: str = "test"
     limit: int = 16

@@ -66,7 +66,7 @@ def _topic_bytes(log_dir: Path) -> int:
 
 
 def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
-    target = load_target(cfg.model, torch.bfloat16)
+    target = load_target(cfg.model)
     tok, mcfg = target.tok, target.config
     lm_head = target.model.lm_head.weight.detach().float()
     embed = torch.nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().float(), freeze=True)

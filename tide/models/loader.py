@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tide.config import native_dtype
 from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.packing import pack_linears
 from tide.models.tokenizer import Tokenizer
@@ -265,11 +266,12 @@ def _read(
 
 
 def load_target(
-    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.bfloat16, pack: bool = True
+    path: str | os.PathLike[str] | None = None, dtype: torch.dtype | None = None, pack: bool = True
 ) -> Target:
-    """Load, fingerprint and (for inference) prepack a target; `pack=False` keeps plain nn.Linear layers."""
+    """Load, fingerprint and (for inference) prepack a target, in `dtype` or the machine's native one;
+    `pack=False` keeps plain nn.Linear layers."""
     p, cfg, weights, tokenizer, fp = _read(path)
-    model = build_model(cfg, weights).to(dtype)
+    model = build_model(cfg, weights).to(dtype or native_dtype())
     if pack:
         pack_linears(model)
     return Target(model, tokenizer, fp, p)

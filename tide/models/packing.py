@@ -12,8 +12,13 @@ import torch
 from torch import nn
 
 
-def packing_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def packing_available(dtype: torch.dtype) -> bool:
+    """fp32 packs wherever oneDNN is built in; bf16 only where the CPU has the instructions it needs."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (
+        dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 class PackedLinear(nn.Module):
@@ -31,11 +36,13 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module, batch_hint: int = 64) -> nn.Module:
-    """Replace every nn.Linear in `module` (in place) by a PackedLinear; a no-op where oneDNN is missing."""
-    if not packing_available():
-        return module
+    """Replace every CPU nn.Linear in `module` (in place) by a PackedLinear where oneDNN packs its dtype."""
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
+        if (
+            isinstance(child, nn.Linear)
+            and child.weight.device.type == "cpu"
+            and packing_available(child.weight.dtype)
+        ):
             setattr(module, name, PackedLinear(child, batch_hint))
         else:
             pack_linears(child, batch_hint)
