@@ -124,9 +124,9 @@ def test_multibyte_stream_never_breaks_characters(server: Server) -> None:
         whole = client.completions.create(**kw).choices[0].text
         chunks = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
         assert "".join(chunks) == whole
-        # U+FFFD only where the non-streamed text has one too (a truncated character at the very end)
+        # U+FFFD only where the non-streamed text has one too: a truncated character at the very end,
+        # or bytes the model sampled that form no character (the whole text has those too)
         assert sum(c.count("\ufffd") for c in chunks) == whole.count("\ufffd")
-        assert all("\ufffd" not in c for c in chunks[:-2])
         split_seen |= any(len(ch.encode()) >= 3 for ch in whole)
     assert split_seen, "no multi-byte characters generated: the test proves nothing"
 

@@ -24,14 +24,14 @@ def test_greedy_speculation_is_token_identical_in_fp32(target_fp32, trained_draf
     base = Engine(target_fp32, None, EngineConfig(max_batch=16, max_model_len=256, gamma=0))
     ref = [s.output for s in base.generate(prompts, params)]
     accepted = 0
-    for batch in (1, 4, 16):
-        for gamma in range(1, 6):
-            engine = Engine(target_fp32, None, EngineConfig(max_batch=batch, max_model_len=256, gamma=gamma))
-            engine.load_draft(trained_draft_dir)
-            out = [s.output for s in engine.generate(prompts, params)]
-            mismatched = [i for i, (a, b) in enumerate(zip(ref, out, strict=True)) if a != b]
-            assert not mismatched, f"batch {batch}, gamma {gamma}: prompts {mismatched} differ"
-            accepted += int(engine.stats.accepted.sum())
+    # every gamma once, at batch sizes that pad differently (each pair takes ~25 s on 2 cores)
+    for batch, gamma in ((1, 3), (4, 1), (4, 5), (16, 2), (16, 4)):
+        engine = Engine(target_fp32, None, EngineConfig(max_batch=batch, max_model_len=256, gamma=gamma))
+        engine.load_draft(trained_draft_dir)
+        out = [s.output for s in engine.generate(prompts, params)]
+        mismatched = [i for i, (a, b) in enumerate(zip(ref, out, strict=True)) if a != b]
+        assert not mismatched, f"batch {batch}, gamma {gamma}: prompts {mismatched} differ"
+        accepted += int(engine.stats.accepted.sum())
     assert accepted > 0  # the trained draft was right often enough to exercise multi-token acceptance
 
 
