@@ -134,29 +134,19 @@ class Stack:
     def _model(self) -> list[str]:
         return ["--model", self.cfg.model] if self.cfg.model else []
 
-    def _env(self, threads: int | None = None) -> dict[str, str]:
+    def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         for s in self.services:
             if isinstance(s, S3Server):
                 env |= s.env
-        if threads is not None:
-            env.setdefault("OMP_NUM_THREADS", str(threads))  # the user's setting wins
         return env
-
-    def _threads(self, name: str) -> int:
-        """One box serves and trains: OpenMP threads beyond the cores wait on each other (on 2 cores a
-        trainer beside a 2-thread node under traffic took about 5.6 s a step, against 1 s alone).
-        Trainers and the gate get one thread each, the node the cores left, at least one."""
-        if name != "serving":
-            return 1
-        return max(1, (os.cpu_count() or 1) - len(self.cfg.workloads))
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = self.cfg.data_dir / "logs" / f"{name.replace(':', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
             proc = subprocess.Popen([_tide(), *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    env=self._env(self._threads(name)), start_new_session=True)  # fmt: skip
+                                    env=self._env(), start_new_session=True)  # fmt: skip
         self.parts.append(Part(name, proc, log))
 
     def _run_once(self, args: list[str], log_name: str) -> None:
