@@ -88,7 +88,9 @@ def test_tide_up_serves_trains_gates_and_stops(trained_draft_dir: Path, tmp_path
                 if time.monotonic() - last > 60:
                     list(pool.map(lambda i: _chat(url, i), range(4)))
                     last = time.monotonic()
-                time.sleep(2)  # not 5: MLflow's server drops connections idle for 5 s (a race)
+                # not 5 s: polling every 5 s once failed on a dropped connection, and uvicorn (MLflow's
+                # server) closes connections idle for 5 s; a race is the likely cause
+                time.sleep(2)
         versions = client.search_model_versions(f"name = '{model.name}'")
         decided = next(v for v in versions if evaluated(v))
         champion = client.get_model_version_by_alias(model.name, "champion")
