@@ -67,14 +67,15 @@ def build_app(
     server: ServerConfig,
     kafka: PublisherConfig | None = None,
     registry: SyncConfig | None = None,
-    adaptive: bool = False,
+    adaptive: ControllerConfig | None = None,
 ) -> FastAPI:
     """The server as `tide serve` runs it; with `kafka`, tapped hidden states are published there;
-    with `registry`, each workload's champion draft is followed."""
+    with `registry`, each workload's champion draft is followed; with `adaptive`, the controller
+    chooses gamma."""
     target = load_target(model, dtype)
     draft_dir = Path(draft) if draft else default_draft_dir(target.fingerprint)
     head = None
-    if (cfg.gamma > 0 or adaptive) and (draft or (draft_dir / "model.safetensors").exists()):
+    if (cfg.gamma > 0 or adaptive is not None) and (draft or (draft_dir / "model.safetensors").exists()):
         head = Eagle3Draft.load(
             draft_dir, target.model.embed_tokens, target.config, target.fingerprint, dtype
         )
@@ -83,10 +84,8 @@ def build_app(
         log.warning("no draft: serving without speculation (train one with `tide draft ensure-default`)")
     publisher = RecordPublisher(kafka, target.fingerprint) if kafka is not None else None
     controller = None
-    if adaptive:  # step times measured here and now, at a few batch sizes (seconds)
-        controller = build_controller(
-            target.model, head, ControllerConfig(max_gamma=cfg.max_gamma), cfg.max_batch
-        )
+    if adaptive is not None:  # step times measured here and now, at a few batch sizes (seconds)
+        controller = build_controller(target.model, head, adaptive, cfg.max_batch)
     engine = Engine(target, head, cfg, tap=publisher, controller=controller)
     sync = DraftSync(registry, engine) if registry is not None else None
     return make_app(target, engine, server, publisher, sync)

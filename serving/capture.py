@@ -7,11 +7,11 @@ time: they cost a tenth of full capture, and the gate needs today's traffic to j
 workload that comes back is noticed there even when nothing here shifted).
 
 Which requests are held out (their records only ever evaluate drafts) is decided here and written
-into the records: one in ten by request id (`records.is_held_out`), and, while a workload needs
-training, every other captured request while fewer than `held_out_min` of the last
-`held_out_window` seconds are: the gate judges on that window. After a shift the gate has none of
-the new traffic to judge by, and one in ten leaves that to chance (one workload here waited 37
-requests for its first); at high traffic one in ten fills the window and nothing more is held out.
+into the records: one in ten by request id (`records.is_held_out`), and every other captured request
+while fewer than `held_out_min` of the last `held_out_window` seconds are: the gate judges on that
+window. After a shift, or at low traffic, one in ten leaves the gate's window to chance (one workload
+here waited 37 requests for its first, and a loop test's trainer 40 requests for anything to
+evaluate on); at high traffic one in ten fills the window and nothing more is held out.
 A prompt that comes again keeps its status: greedy decoding repeats its text, so a prompt the
 trainers learnt from must never evaluate a draft, nor the other way round (this node remembers the
 last `remember_prompts` it captured; traffic that repeats a few prompts keeps the share they drew).
@@ -90,12 +90,16 @@ class Decision:
 class Advisor(Protocol):
     def __call__(self, workload: str) -> bool: ...  # does the workload need training now?
 
-    def hold_out(self, workload: str, by_id: bool) -> bool: ...  # hold this captured request out?
-
 
 class CapturePolicy:
     def __init__(
-        self, rules: dict[str, CaptureRule] | None = None, seed: int = 0, remember_prompts: int = 100_000
+        self,
+        rules: dict[str, CaptureRule] | None = None,
+        seed: int = 0,
+        remember_prompts: int = 100_000,
+        held_out_min: int = 3,
+        held_out_window: float = 120.0,
+        clock: Callable[[], float] = time.time,
     ):
         rules = dict(rules or {})
         self.fallback = rules.pop("*", CaptureRule())  # for workloads without a rule of their own
@@ -105,6 +109,11 @@ class CapturePolicy:
         self.advisor: Advisor | None = None  # decides `auto` rules (None: capture)
         self.remember_prompts = remember_prompts
         self._held: OrderedDict[int, bool] = OrderedDict()  # captured prompts: held out?
+        self.held_out_min = held_out_min
+        self.held_out_window = held_out_window
+        self.clock = clock
+        self._held_at: dict[str, deque[float]] = {}  # when requests were held out, per workload
+        self._last_held: dict[str, bool] = {}  # was the last captured request held out?
 
     def rule(self, workload: str) -> CaptureRule:
         return self.rules.get(workload, self.fallback)
@@ -131,15 +140,29 @@ class CapturePolicy:
         with self._lock:
             if not (r.enabled and self._rng.random() < r.fraction):
                 return Decision(False)
-        if known is None and r.auto and self.advisor is not None:
-            held = self.advisor.hold_out(workload, by_id)
-        if key is not None:
-            with self._lock:
+        with self._lock:
+            if known is None:
+                held = self._hold_out(workload, by_id)
+            if key is not None:
                 self._held[key] = held
                 self._held.move_to_end(key)
                 if len(self._held) > self.remember_prompts:
                     self._held.popitem(last=False)
         return Decision(True, held)
+
+    def _hold_out(self, workload: str, by_id: bool) -> bool:
+        """A captured request: held out by its id, or, while the gate's window holds fewer than
+        `held_out_min` held-out requests, every other one (the first too: the gate needs the traffic
+        before the trainer has anything to show)."""
+        now = self.clock()
+        held = self._held_at.setdefault(workload, deque())
+        while held and held[0] < now - self.held_out_window:
+            held.popleft()
+        out = by_id or (len(held) < self.held_out_min and not self._last_held.get(workload, False))
+        if out:
+            held.append(now)
+        self._last_held[workload] = out
+        return out
 
     def active(self, workload: str) -> bool:
         """Is the workload being captured now (ignoring per-request opt-outs and sampling)?"""
@@ -169,18 +192,12 @@ class TrainingAdvisor:
         controller: Controller,
         sync: DraftSync | None,
         clock: Callable[[], float] = time.time,
-        held_out_min: int = 3,
-        held_out_window: float = 120.0,
     ):
         self.controller = controller
         self.sync = sync
         self.clock = clock  # the sync's clock: saturation times come from it
-        self.held_out_min = held_out_min
-        self.held_out_window = held_out_window
         self.since: dict[str, float] = {}  # workloads that need training, since when
         self._needed: dict[str, bool] = {}  # the last call's verdict on the controller's signals
-        self._held_at: dict[str, deque[float]] = {}  # when requests were held out, per workload
-        self._last_held: dict[str, bool] = {}  # was the last captured request held out?
 
     def __call__(self, workload: str) -> bool:
         needed = self.controller.needs_training(workload)
@@ -200,18 +217,3 @@ class TrainingAdvisor:
             del self.since[workload]
             return False
         return True
-
-    def hold_out(self, workload: str, by_id: bool) -> bool:
-        """A captured request: held out by its id, or, while the workload needs training and the
-        gate's window holds fewer than `held_out_min` held-out requests, every other one (the first
-        too: the gate needs the new traffic before the trainer has anything to show)."""
-        now = self.clock()
-        held = self._held_at.setdefault(workload, deque())
-        while held and held[0] < now - self.held_out_window:
-            held.popleft()
-        short = workload in self.since and len(held) < self.held_out_min
-        out = by_id or (short and not self._last_held.get(workload, False))
-        if out:
-            held.append(now)
-        self._last_held[workload] = out
-        return out

@@ -32,15 +32,12 @@ def test_bad_rules_say_why(spec: str) -> None:
 
 @dataclass
 class _Needs:
-    """An advisor set by hand that holds out by request id only."""
+    """An advisor set by hand."""
 
     needs: dict[str, bool]
 
     def __call__(self, workload: str) -> bool:
         return self.needs[workload]
-
-    def hold_out(self, workload: str, by_id: bool) -> bool:
-        return by_id
 
 
 def test_auto_rules_follow_the_advisor() -> None:
@@ -63,7 +60,7 @@ def test_auto_rules_follow_the_advisor() -> None:
 
 
 def test_a_prompt_that_comes_again_keeps_its_held_out_status() -> None:
-    policy = CapturePolicy(parse_rules("*=on"), remember_prompts=2)
+    policy = CapturePolicy(parse_rules("*=on"), remember_prompts=2, held_out_min=0)  # by id alone
     trained = next(f"r{i}" for i in range(100) if not is_held_out(f"r{i}"))
     held = next(f"r{i}" for i in range(100) if is_held_out(f"r{i}"))
     assert policy.decide("w", False, trained, [1, 2]) == Decision(True, False)
@@ -120,7 +117,7 @@ def test_after_a_shift_the_gate_gets_the_new_traffic_at_once() -> None:
     it needs training, every other captured request is held out until the gate's window holds three."""
     signals, sync, now = _Signals(), _Sync(), [0.0]
     advise = TrainingAdvisor(signals, sync, clock=lambda: now[0])
-    policy = CapturePolicy(parse_rules("*=auto"))
+    policy = CapturePolicy(parse_rules("*=auto"), clock=lambda: now[0])
     policy.advisor = advise
     ids = iter(f"w-{i}" for i in range(200) if not is_held_out(f"w-{i}"))  # none held out by id
 
@@ -150,3 +147,17 @@ def test_a_gate_that_keeps_refusing_ends_training_only_while_the_draft_pays() ->
     assert advise("w")
     signals.paying = True  # a promoted draft pays; the refusals since the change now end training
     assert not advise("w")
+
+
+def test_captured_at_low_traffic_the_gate_gets_its_share() -> None:
+    """Capture `on`: one in ten by id, and every other request while the gate's window of two minutes
+    holds fewer than three held out (a loop test once had none among its first forty requests)."""
+    now = [0.0]
+    policy = CapturePolicy(parse_rules("*=on"), clock=lambda: now[0])
+    ids = iter(f"q-{i}" for i in range(400) if not is_held_out(f"q-{i}"))  # none held out by id
+    held = [policy.decide("w", False, next(ids)).held_out for _ in range(40)]
+    assert held == [True, False] * 3 + [False] * 34
+    now[0] = 121.0  # the window moved past them
+    assert [policy.decide("w", False, next(ids)).held_out for _ in range(3)] == [True, False, True]
+    by_id = next(f"q-{i}" for i in range(400) if is_held_out(f"q-{i}"))
+    assert policy.decide("w", False, by_id).held_out  # the id's share always

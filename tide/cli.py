@@ -277,6 +277,13 @@ def serve(
     rollback_steps: int = typer.Option(
         1000, "--rollback-steps", min=1, help="sequence steps before a new draft is judged"
     ),
+    min_gain: float = typer.Option(
+        1.02,
+        "--min-gain",
+        min=1.0,
+        help="with --gamma auto: speculate only where the predicted speedup reaches this; below it a "
+        "workload's draft does not pay, and `auto` capture calls for training",
+    ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """OpenAI-compatible HTTP server over the speculative engine."""
@@ -286,6 +293,7 @@ def serve(
     from tide.producers.records import CODECS
     from tide.serving.api import ServerConfig, build_app
     from tide.serving.capture import CapturePolicy, parse_rules
+    from tide.serving.controller import ControllerConfig
 
     if codec not in CODECS:
         raise typer.BadParameter(f"choose one of {', '.join(CODECS)}", param_hint="--codec")
@@ -331,7 +339,7 @@ def serve(
             ),
             PublisherConfig(kafka, codec, chunk_positions) if kafka else None,
             sync,
-            adaptive,
+            ControllerConfig(max_gamma=max_gamma, min_gain=min_gain) if adaptive else None,
         )
     uvicorn.run(api, host=host, port=port, log_level="info")
 
