@@ -227,15 +227,10 @@ def test_the_chain_stops_where_the_draft_is_unsure() -> None:
     assert max(widths[0.0]) >= 3, widths
 
 
-# speculation must gain this much: the code draft on code passes, on French it does not
-MIN_GAIN = 1.25
-
-
 def test_adaptive_on_the_default_model(target_native: Target, trained_draft_dir: Path) -> None:
     """SmolLM2 with its code draft, batches of 4: on for code, off for French, which the code draft
-    does not fit, in the same engine (one workload label each). Where verifying a few tokens costs
-    about what one does (fp32 here), even the code draft's quarter of French tokens would pay about
-    1.1x: the operator's minimum gain (1.25x) is what French misses, and code (1.5x) passes."""
+    does not fit, in the same engine (one workload label each). At batch 4 verifying costs here (fp32,
+    two cores) leave code about 1.1x predicted, French about 0.8x."""
     from tide.prompts import load_prompts, split
 
     from .conftest import WORKLOADS
@@ -245,7 +240,7 @@ def test_adaptive_on_the_default_model(target_native: Target, trained_draft_dir:
         trained_draft_dir, model.embed_tokens, target_native.config, target_native.fingerprint, model.dtype
     )
     controller = build_controller(
-        model, draft, ControllerConfig(max_gamma=6, min_gain=MIN_GAIN), max_batch=4, batch_sizes=(1, 4)
+        model, draft, ControllerConfig(max_gamma=6), max_batch=4, batch_sizes=(1, 4)
     )
     engine = Engine(target_native, draft, EngineConfig(max_batch=4, max_model_len=512, gamma=4, max_gamma=6),
                     controller=controller)  # fmt: skip
@@ -265,7 +260,10 @@ def test_adaptive_on_the_default_model(target_native: Target, trained_draft_dir:
 def test_served_decisions_per_workload(trained_draft_dir: Path, tmp_path: Path) -> None:
     """`tide serve --gamma auto`: per workload, speculation on where the draft pays (code) and off
     where it does not (French, below the minimum gain), capture (`auto`) the other way round; on
-    /metrics and /admin."""
+    /metrics and /admin. One request at a time: at batch 1 verifying a few tokens costs here about
+    what one does, so even the code draft's few accepted French tokens would pay about 1.1x (1.3x
+    from the prior a new workload starts with); the operator's minimum gain of 1.4x is what French
+    misses, and code (about 2x) reaches."""
     import httpx
 
     from tide.prompts import load_prompts, split
@@ -274,7 +272,7 @@ def test_served_decisions_per_workload(trained_draft_dir: Path, tmp_path: Path) 
     from .test_registry_serving import metric
 
     args = ["--draft", str(trained_draft_dir), "--gamma", "auto", "--max-batch", "2", "--max-model-len", "512",
-            "--admin-token", "t", "--capture", "*=auto", "--min-gain", str(MIN_GAIN)]  # fmt: skip
+            "--admin-token", "t", "--capture", "*=auto", "--min-gain", "1.4"]  # fmt: skip
     with serve_process(args, tmp_path / "serve.log") as url:
         # French long enough for its draft's not paying to call for training (confirm_steps)
         for name, workload, n, tokens in (("code.jsonl", "code", 4, 48), ("chat_fr.jsonl", "fr", 8, 96)):
