@@ -335,9 +335,13 @@ class Gate:
                 reason = (f"{unit} {score:.3f} over the baseline's {base.score(gamma):.3f}, but {gain} "
                           f"on {len(examples)} examples: under {self.cfg.confidence:g} standard errors")  # fmt: skip
                 return self._record(cand, "refused", reason, tags)
-        self._promote(rm, champion, cand)
         over = f"baseline {base.score(gamma):.3f}" if base is not None else "no baseline"
-        return self._record(cand, "promoted", f"{unit} {score:.3f} (over {over})", tags)
+        reason = f"{unit} {score:.3f} (over {over})"
+        # the evidence before the alias: a gate stopped in between (a loop test's was) must not leave
+        # a champion without its figures; without `gate.decision` the version is gated again
+        set_tags(self.client, cand, {**tags, "gate.reason": reason})
+        self._promote(rm, champion, cand)
+        return self._record(cand, "promoted", reason, tags)
 
     def _promote(self, rm: RegisteredModel, champion: ModelVersion | None, mv: ModelVersion) -> None:
         if champion is not None:
