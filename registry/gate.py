@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -336,12 +336,13 @@ class Gate:
                           f"on {len(examples)} examples: under {self.cfg.confidence:g} standard errors")  # fmt: skip
                 return self._record(cand, "refused", reason, tags)
         over = f"baseline {base.score(gamma):.3f}" if base is not None else "no baseline"
-        reason = f"{unit} {score:.3f} (over {over})"
-        # the evidence before the alias: a gate stopped in between (a loop test's was) must not leave
-        # a champion without its figures; without `gate.decision` the version is gated again
-        set_tags(self.client, cand, {**tags, "gate.reason": reason})
-        self._promote(rm, champion, cand)
-        return self._record(cand, "promoted", reason, tags)
+        return self._record(
+            cand,
+            "promoted",
+            f"{unit} {score:.3f} (over {over})",
+            tags,
+            lambda: self._promote(rm, champion, cand),
+        )
 
     def _promote(self, rm: RegisteredModel, champion: ModelVersion | None, mv: ModelVersion) -> None:
         if champion is not None:
@@ -402,10 +403,24 @@ class Gate:
             speedup = [profile.speedup_at(t, g) for g, t in enumerate(m.tau, start=1)]
         return Evaluation(str(mv.version), m.tau, speedup, m.accepted, m.anchors)
 
-    def _record(self, mv: ModelVersion, decision: str, reason: str, tags: dict[str, str]) -> Decision:
-        all_tags = {**tags, "gate.decision": decision, "gate.reason": reason, "gate.time": _now()}
-        set_tags(self.client, mv, dict(all_tags))
-        return Decision(mv.name, str(mv.version), decision, reason, all_tags)
+    def _record(
+        self,
+        mv: ModelVersion,
+        decision: str,
+        reason: str,
+        tags: dict[str, str],
+        act: Callable[[], None] | None = None,
+    ) -> Decision:
+        """Tag the evidence, carry the decision out (`act`: a promotion moves the alias), then tag the
+        decision: a gate stopped in between leaves a version that is gated again, never a champion
+        without its figures (a loop test's gate, stopped mid-promotion, once did)."""
+        evidence = {**tags, "gate.reason": reason}
+        set_tags(self.client, mv, dict(evidence))
+        if act is not None:
+            act()
+        decided = {"gate.decision": decision, "gate.time": _now()}
+        set_tags(self.client, mv, dict(decided))
+        return Decision(mv.name, str(mv.version), decision, reason, {**evidence, **decided})
 
     def close(self) -> None:
         for h in self.held_out.values():
