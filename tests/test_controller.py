@@ -274,7 +274,7 @@ def test_served_decisions_per_workload(trained_draft_dir: Path, tmp_path: Path) 
     args = ["--draft", str(trained_draft_dir), "--gamma", "auto", "--max-batch", "2", "--max-model-len", "512",
             "--admin-token", "t", "--capture", "*=auto"]  # fmt: skip
     with serve_process(args, tmp_path / "serve.log") as url:
-        for name, workload, n, tokens in (("code.jsonl", "code", 4, 48), ("chat_fr.jsonl", "fr", 8, 96)):
+        for name, workload, n, tokens in (("code.jsonl", "code", 4, 48), ("chat_fr.jsonl", "fr", 6, 64)):
             for p in split(load_prompts(WORKLOADS / name), "test")[:n]:
                 body = {"model": "tide", "messages": p.messages, "max_tokens": tokens, "temperature": 0}
                 r = httpx.post(

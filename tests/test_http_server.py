@@ -119,8 +119,8 @@ def test_multibyte_stream_never_breaks_characters(server: Server) -> None:
     """Sampled Chinese continuations: characters span tokens, and bursts of accepted drafts."""
     client = server.client()
     split_seen = False
-    for seed in range(3):
-        kw = dict(model="tide", prompt=CHINESE, max_tokens=48, temperature=0.9, seed=seed)
+    for seed in range(2):
+        kw = dict(model="tide", prompt=CHINESE, max_tokens=40, temperature=0.9, seed=seed)
         whole = client.completions.create(**kw).choices[0].text
         chunks = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
         assert "".join(chunks) == whole
@@ -138,7 +138,7 @@ def test_seed_makes_sampling_reproducible(server: Server) -> None:
     )
     a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
-    others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2, 3)}
+    others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2)}
     assert a == b
     assert len(others | {a}) > 1  # the seed does steer the sampling
 

@@ -413,8 +413,14 @@ def up(
         None, "--draft", help="start from this draft (default: the default draft)"
     ),
     model: str | None = typer.Option(None, "--model"),
+    serve_args: str = typer.Option(
+        "", "--serve-args", help="more `tide serve` flags, e.g. '--gamma 3' (a flag given again wins)"
+    ),
+    train_args: str = typer.Option("", "--train-args", help="more `tide train` flags for every trainer"),
+    gate_args: str = typer.Option("", "--gate-args", help="more `tide gate` flags"),
 ) -> None:
     """The whole loop on this machine: Kafka, MLflow, trainers, the gate and a serving node. Ctrl-C stops it."""
+    import shlex
     import signal
 
     from tqdm import tqdm
@@ -430,7 +436,12 @@ def up(
             check_workload(w)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--workloads") from None
-    cfg = StackConfig(data or cache_dir() / "stack", host, port, mlflow_port, names, s3, draft, model)
+    extra = {
+        "serve": shlex.split(serve_args),
+        "train": shlex.split(train_args),
+        "gate": shlex.split(gate_args),
+    }
+    cfg = StackConfig(data or cache_dir() / "stack", host, port, mlflow_port, names, s3, draft, model, extra)
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(cfg)
 

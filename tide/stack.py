@@ -37,6 +37,9 @@ class StackConfig:
     s3: bool = False
     draft: Path | None = None  # default: the default draft, trained once from the shipped workloads
     model: str | None = None
+    # more flags for the parts' commands, after the stack's own (a flag given again wins):
+    # {"serve": [...], "train": [...], "gate": [...]}
+    extra: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,7 +81,10 @@ class Stack:
             self.kafka = KafkaBroker(data / "kafka", heap="-Xmx384m -Xms64m").start()
             self.services.append(self.kafka)
         elif step == "s3":
-            self.services.append(S3Server(data / "s3").start())
+            s3 = S3Server(data / "s3").start()
+            self.services.append(s3)
+            # the stack registers its starting draft itself, and every part it starts reaches S3 too
+            os.environ.update(s3.env)
         elif step == "mlflow":
             s3 = next((s for s in self.services if isinstance(s, S3Server)), None)
             self.mlflow = MlflowServer(data / "mlflow", cfg.mlflow_port, s3=s3).start()
@@ -92,16 +98,19 @@ class Stack:
                 draft = ["--start-draft", str(cfg.draft)] if cfg.draft else []
                 self._spawn(f"trainer:{w}", ["train", "--kafka", self.bootstrap, "--workload", w, "--mlflow",
                                              self.registry, "--state-dir", str(data / "trainers" / w), *draft,
-                                             *self._model()])  # fmt: skip
+                                             *self._model(), *cfg.extra.get("train", [])])  # fmt: skip
         elif step == "gate":
             self._spawn(
-                "gate", ["gate", "--mlflow", self.registry, "--kafka", self.bootstrap, *self._model()]
-            )
+                "gate",
+                ["gate", "--mlflow", self.registry, "--kafka", self.bootstrap, *self._model(),
+                 *cfg.extra.get("gate", [])],
+            )  # fmt: skip
         elif step == "serving":
             draft = ["--draft", str(cfg.draft)] if cfg.draft else []
             self._spawn("serving", ["serve", "--host", cfg.host, "--port", str(cfg.port), "--gamma", "auto",
                                     "--kafka", self.bootstrap, "--capture", "*=auto", "--registry", self.registry,
-                                    "--workloads", ",".join(cfg.workloads), *draft, *self._model()])  # fmt: skip
+                                    "--workloads", ",".join(cfg.workloads), *draft, *self._model(),
+                                    *cfg.extra.get("serve", [])])  # fmt: skip
             self._wait_serving(600)
         self._write_state()
 
@@ -134,19 +143,12 @@ class Stack:
     def _model(self) -> list[str]:
         return ["--model", self.cfg.model] if self.cfg.model else []
 
-    def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        for s in self.services:
-            if isinstance(s, S3Server):
-                env |= s.env
-        return env
-
     def _spawn(self, name: str, args: list[str]) -> None:
         log = self.cfg.data_dir / "logs" / f"{name.replace(':', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
             proc = subprocess.Popen([_tide(), *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    env=self._env(), start_new_session=True)  # fmt: skip
+                                    start_new_session=True)  # fmt: skip
         self.parts.append(Part(name, proc, log))
 
     def _run_once(self, args: list[str], log_name: str) -> None:
@@ -154,7 +156,7 @@ class Stack:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
             rc = subprocess.run([_tide(), *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=self._env(), check=False).returncode  # fmt: skip
+                                check=False).returncode  # fmt: skip
         if rc != 0:
             raise StackError(f"`tide {' '.join(args)}` failed ({rc}):\n{log_tail(log)}")
 
