@@ -96,7 +96,7 @@ def _train_process(
 ) -> subprocess.Popen[bytes]:
     tide = Path(sys.executable).parent / "tide"
     args = [str(tide), "train", "--kafka", kafka.bootstrap, "--workload", workload, "--state-dir", str(state),
-            "--start-draft", str(draft), "--checkpoint-every", "4", "--eval-every", "1000", "--idle-seconds", "5",
+            "--start-draft", str(draft), "--checkpoint-every", "4", "--eval-every", "1000", "--idle-seconds", "8",
             "--vocab-warmup", "256", "--no-replay-when-idle"]  # fmt: skip
     with log.open("ab") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -106,7 +106,7 @@ def test_sigkill_loses_nothing_and_trains_nothing_twice(
     kafka: KafkaBroker, target_native: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     workload = f"kill-{uuid.uuid4().hex[:6]}"
-    published = serve_into_kafka(target_native, kafka.bootstrap, workload, "code.jsonl", 20)
+    published = serve_into_kafka(target_native, kafka.bootstrap, workload, "code.jsonl", 32)
     state, log = tmp_path / "state", tmp_path / "train.log"
     proc = _train_process(kafka, workload, state, trained_draft_dir, log)
     deadline = time.monotonic() + 240

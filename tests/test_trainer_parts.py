@@ -3,6 +3,7 @@ replay batch, and the draft vocabulary picked after a shift (and what it is fitt
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tide.trainers.online import keep_recent, newest_uncovered, replay_batch, turned_over
@@ -91,3 +92,43 @@ def test_a_candidate_is_published_again_once_the_held_out_set_has_turned_over() 
     assert turned_over(held_out, 55.0, 0.3)
     assert not turned_over(held_out, 80.0, 0.0)  # nothing new: nothing to judge again
     assert not turned_over([], 0.0, 0.5)
+
+
+def test_skipping_prompt_anchors_changes_neither_loss_nor_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unrolled steps after the first run only from the earliest anchor a completion needs: the
+    same loss, gradients and greedy-chain counts as running them over the prompts too."""
+    from tide.trainers import ttt
+
+    from .conftest import tiny_draft, tiny_target
+
+    target = tiny_target()
+    head = target.model.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for n, learn_from in ((40, 25), (33, 12), (28, 20)):  # prompts of different lengths in one batch
+        toks = torch.randint(0, 256, (n,), generator=g)
+        aux, hidden = torch.randn(n, 3 * 64, generator=g), torch.randn(n, 64, generator=g)
+        examples.append(Example.make(toks, aux, hidden, head, learn_from))
+    batch = ttt.collate(examples, 10**9)
+    assert ttt.learn_start(batch["learn"], 4) == 8  # the earliest completion (12) less 4 steps
+
+    def run() -> tuple[float, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        draft = tiny_draft(target, seed=3).train()
+        loss, corrects, valids = ttt.ttt_forward(draft, head, batch, 4, 0.8)
+        loss.backward()
+        accepted, anchors = ttt.chain_accepted(corrects, valids)
+        return (
+            float(loss.detach()),
+            [p.grad.clone() for p in draft.parameters() if p.grad is not None],
+            accepted,
+            anchors,
+        )
+
+    skipped = run()
+    monkeypatch.setattr(ttt, "learn_start", lambda learn, steps: 0)
+    full = run()
+    assert abs(skipped[0] - full[0]) < 1e-5 * abs(full[0])
+    assert len(skipped[1]) == len(full[1]) > 0
+    for a, b in zip(skipped[1], full[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert torch.equal(skipped[2], full[2]) and torch.equal(skipped[3], full[3])

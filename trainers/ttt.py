@@ -163,24 +163,39 @@ def shift(x: torch.Tensor, k: int, fill: float | int | bool = 0) -> torch.Tensor
     return torch.cat([x[:, k:], pad], 1)
 
 
+def learn_start(learn: torch.Tensor, steps: int) -> int:
+    """The first anchor any of `steps` unrolled steps learns from, over the batch: the earliest
+    completion position less `steps` (a step's anchor t predicts position t + 1 + i)."""
+    rows = learn.any(-1)
+    if not bool(rows.any()):
+        return 0
+    first = int(learn[rows].int().argmax(-1).min())
+    return max(0, first - steps)
+
+
 def ttt_forward(
     draft: Eagle3Draft, lm_head: torch.Tensor, batch: dict[str, torch.Tensor], steps: int, weight: float
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Loss over `steps` unrolled draft steps; also per-step correctness (B, L) and validity masks."""
+    """Loss over `steps` unrolled draft steps; also per-step correctness and validity masks, (B, L - s)
+    from the first anchor s any step learns from (prompt positions before it teach nothing, and
+    skipping them saves a third of a step on chat traffic)."""
     tokens, learn = batch["tokens"], batch["learn"]
+    s = learn_start(learn, steps)
     inputs = [shift(tokens, 1 + i) for i in range(steps)]
-    outs = draft.unrolled(batch["aux"], inputs, batch["positions"])
+    outs = draft.unrolled(batch["aux"], inputs, batch["positions"], start=s)
+    outs[0] = outs[0][:, s:]
+    learn, best = learn[:, s:], batch["best"][:, s:]
     ids = draft.target_ids()
     head = lm_head[ids]  # target LM head restricted to the draft vocabulary
     with torch.no_grad():  # once per sequence, then shifted for each step
-        target_probs = (batch["hidden"] @ head.T).float().softmax(-1)
+        target_probs = (batch["hidden"][:, s:] @ head.T).float().softmax(-1)
     total = torch.zeros((), device=lm_head.device)
     corrects: list[torch.Tensor] = []
     valids: list[torch.Tensor] = []
     for i, out in enumerate(outs):
         tgt_probs = shift(target_probs, 1 + i)
         valid = shift(learn, 1 + i, False)
-        full_best = shift(batch["best"], 1 + i)  # the target's choice over its full vocabulary
+        full_best = shift(best, 1 + i)  # the target's choice over its full vocabulary
         logits = draft.logits(out)
         loss = soft_cross_entropy(logits, tgt_probs)
         denom = valid.sum().clamp(min=1)

@@ -183,14 +183,16 @@ class Eagle3Draft(nn.Module):
 
     # -- training: training-time test, k unrolled steps ------------------------------------------
     def unrolled(
-        self, aux: torch.Tensor, tokens: list[torch.Tensor], positions: torch.Tensor
+        self, aux: torch.Tensor, tokens: list[torch.Tensor], positions: torch.Tensor, start: int = 0
     ) -> list[torch.Tensor]:
         """Run len(tokens) draft steps over whole sequences as inference would see them.
 
         aux (B, L, 3d); tokens[i] (B, L): the token fed at step i for anchor position t (t+1+i);
         positions (B, L). Step i at anchor t sits at position t+i and attends to step-0 keys at
         positions <= t plus its own chain (steps 1..i at the same anchor), exactly the keys the
-        inference-time cache holds when that draft token is produced. Returns each step's output.
+        inference-time cache holds when that draft token is produced. Returns each step's output:
+        step 0 at every anchor (its keys are every later step's context), later steps only at
+        anchors >= `start` (B, L - start, d): before it (a prompt) nothing is learnt from them.
         """
         layer = self.midlayer
         b, seq, _ = aux.shape
@@ -201,12 +203,17 @@ class Eagle3Draft(nn.Module):
         outs: list[torch.Tensor] = []
         scale = layer.self_attn.hd**-0.5
         for i, tok in enumerate(tokens):
-            x = layer.attn_input(self.embed(tok).to(hidden.dtype), hidden)
-            rope = self.rope(torch.clamp(positions + i, max=self.cfg.max_position - 1), x.dtype)
+            first = start if i > 0 else 0
+            if i == 1:
+                hidden, causal = hidden[:, start:], causal[start:]
+            n = seq - first
+            x = layer.attn_input(self.embed(tok[:, first:]).to(hidden.dtype), hidden)
+            pos = positions[:, first:] + i
+            rope = self.rope(torch.clamp(pos, max=self.cfg.max_position - 1), x.dtype)
             q, k, v = layer.self_attn.qkv(x, rope)
             kvh, hd = k.shape[2], k.shape[3]
             groups = q.shape[2] // kvh
-            q = q.view(b, seq, kvh, groups, hd)
+            q = q.view(b, n, kvh, groups, hd)
             ks.append(k)
             vs.append(v)
             # scores against the step-0 keys (causal) and each chain step's own key (diagonal)
@@ -217,7 +224,7 @@ class Eagle3Draft(nn.Module):
             o = torch.einsum("bkgts,bskd->btkgd", scores[..., :seq], vs[0])
             for j, vj in enumerate(vs[1:]):
                 o = o + scores[..., seq + j].permute(0, 3, 1, 2).unsqueeze(-1) * vj.unsqueeze(3)
-            out = layer.finish(hidden, o.reshape(b, seq, -1))
+            out = layer.finish(hidden, o.reshape(b, n, -1))
             outs.append(out)
             hidden = out
         return outs
