@@ -436,11 +436,13 @@ def up(
             check_workload(w)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--workloads") from None
-    extra = {
-        "serve": shlex.split(serve_args),
-        "train": shlex.split(train_args),
-        "gate": shlex.split(gate_args),
-    }
+    extra: dict[str, list[str]] = {}
+    for part, flags, hint in (("serve", serve_args, "--serve-args"), ("train", train_args, "--train-args"),
+                              ("gate", gate_args, "--gate-args")):  # fmt: skip
+        try:
+            extra[part] = shlex.split(flags)
+        except ValueError as e:  # an unclosed quote
+            raise typer.BadParameter(f"{e}: {flags!r}", param_hint=hint) from None
     cfg = StackConfig(data or cache_dir() / "stack", host, port, mlflow_port, names, s3, draft, model, extra)
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(cfg)
