@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -9,10 +10,16 @@ import torch
 
 
 def cache_dir() -> Path:
-    """Where TIDE keeps what it builds once (converted tokenizers, the default draft): $TIDE_CACHE or ~/.cache/tide."""
+    """Where TIDE keeps what it builds once (converted tokenizers and GGUF targets, the default draft): $TIDE_CACHE or ~/.cache/tide."""
     p = Path(os.environ.get("TIDE_CACHE", Path.home() / ".cache" / "tide"))
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def file_cache_key(path: Path) -> str:
+    """A cache key for what is derived from one file: its resolved path, size and modification time."""
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def default_draft_dir(fingerprint: str, workload: str = "default") -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tide.config import native_dtype
+from tide.config import cache_dir, file_cache_key, native_dtype
 from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.packing import pack_linears
 from tide.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -246,23 +249,59 @@ def build_model(cfg: LlamaConfig, weights: dict[str, np.ndarray]) -> LlamaModel:
     return model.eval()
 
 
+def _converted_path(gguf_file: Path) -> Path:
+    return cache_dir() / "targets" / f"{file_cache_key(gguf_file)}.safetensors"
+
+
+def write_converted(file: Path, cfg: LlamaConfig, weights: dict[str, np.ndarray], fp: str) -> None:
+    """A GGUF target as HF-named fp32 safetensors with its config and fingerprint: parsing the GGUF
+    (its 49k-string vocabulary field by field), dequantizing and hashing took ~15 s of each start."""
+    from safetensors.numpy import save_file
+
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")  # renamed into place: readers never see half
+    tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
+    save_file(tensors, str(tmp), metadata={"config": json.dumps(cfg.to_dict()), "fingerprint": fp})
+    os.replace(tmp, file)
+
+
+def read_converted(file: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], str]:
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    with safe_open(str(file), framework="np") as f:
+        meta = f.metadata()
+    return LlamaConfig.from_dict(json.loads(meta["config"])), load_file(str(file)), meta["fingerprint"]
+
+
 def _read(
     path: str | os.PathLike[str] | None,
 ) -> tuple[Path, LlamaConfig, dict[str, np.ndarray], Tokenizer, str]:
-    """Weights, config, tokenizer and fingerprint of a GGUF file or HF folder (default: the bundled model)."""
+    """Weights, config, tokenizer and fingerprint of a GGUF file or HF folder (default: the bundled
+    model). A GGUF is converted once per file version and read from the cache after that."""
     p = Path(path) if path else default_model_path()
     if not p.exists():
         raise ModelLoadError(f"model not found: {p}")
     if p.is_dir():
         cfg, weights = read_hf_folder(p)
     elif p.suffix == ".gguf":
+        converted = _converted_path(p)
+        if converted.exists():
+            try:
+                cfg, weights, fp = read_converted(converted)
+                return p, cfg, weights, Tokenizer.load(p), fp
+            except Exception as e:  # safetensors raises several types; a bad cache is rebuilt
+                log.warning("converted target %s unreadable (%s): converting %s again", converted, e, p)
         cfg, weights = read_gguf(p)
     else:
         raise ModelLoadError(f"{p}: expected a Hugging Face folder or a .gguf file")
     tokenizer = Tokenizer.load(p)
     if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:
         cfg = LlamaConfig.from_dict({**cfg.to_dict(), "eos_token_ids": [tokenizer.eos_token_id]})
-    return p, cfg, weights, tokenizer, fingerprint(cfg, tokenizer, weights)
+    fp = fingerprint(cfg, tokenizer, weights)
+    if p.suffix == ".gguf":
+        write_converted(_converted_path(p), cfg, weights, fp)
+    return p, cfg, weights, tokenizer, fp
 
 
 def load_target(

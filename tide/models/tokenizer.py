@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
-from tide.config import cache_dir
+from tide.config import cache_dir, file_cache_key
 
 
 class Tokenizer:
@@ -19,9 +18,7 @@ class Tokenizer:
 
         if path.is_dir():
             return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
-        st = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        cached = cache_dir() / "tokenizers" / key
+        cached = cache_dir() / "tokenizers" / file_cache_key(path)
         if (cached / "tokenizer.json").exists():
             return cls(AutoTokenizer.from_pretrained(str(cached), local_files_only=True))
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
