@@ -59,6 +59,11 @@ class RecordConsumer:
         )
         self.consumer.subscribe([topic_for(w) for w in workloads])
 
+    @property
+    def assigned(self) -> bool:
+        """Whether the group has handed this consumer its partitions (until then every poll is empty)."""
+        return bool(self.consumer.assignment())
+
     def poll(self, max_records: int = 64, timeout: float = 1.0) -> list[ConsumedRecord]:
         out: list[ConsumedRecord] = []
         for msg in self.consumer.consume(max_records, timeout):

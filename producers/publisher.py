@@ -117,6 +117,11 @@ class RecordPublisher:
 
     def _add(self, ev: TapEvent) -> None:
         n = len(ev.aux)
+        if n == 0:  # the request ended on a token it does not keep (EOS): publish what it has
+            p = self._pending.pop(ev.request_id, None)
+            if ev.final and p is not None and p.positions:
+                self._send(ev.request_id, p, p.positions, last=True)
+            return
         flags = torch.full((n,), ev.prefill, dtype=torch.bool)
         # the engine's tensors are slices of its step outputs, which it never writes again
         aux, hidden = ev.aux.to(torch.bfloat16), ev.hidden.to(torch.bfloat16)

@@ -145,6 +145,7 @@ class HeldOut:
         self.examples: list[Example] = []
         self.arrived = 0  # positions read so far
         self.checked = 0  # `arrived` when the champion was last weighed against earlier ones
+        self.drained = False  # a first drain has waited for the partitions (or its whole budget)
         self.consumer = RecordConsumer(cfg.bootstrap, [workload], f"tide-gate.{workload}", head.fingerprint)
 
     @property
@@ -156,7 +157,11 @@ class HeldOut:
         while time.monotonic() < deadline:
             batch = self.consumer.poll(256, 0.5)
             if not batch:
-                break
+                # a new consumer reads nothing until its group has assigned it the partitions (seconds
+                # on a busy broker): an empty poll before that is no sign the topic has been read
+                if self.consumer.assigned or self.drained:
+                    break
+                continue
             for c in batch:
                 if not c.record.held_out:
                     continue
@@ -164,6 +169,7 @@ class HeldOut:
                 if ex is not None:
                     self.examples.append(ex)
                     self.arrived += len(ex.tokens) - ex.learn_from
+        self.drained = True
         cfg = self.cfg
         since = time.time() - cfg.held_out_seconds
         self.examples = keep_recent(self.examples, cfg.held_out_positions, since, cfg.min_positions)

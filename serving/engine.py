@@ -601,7 +601,7 @@ class Engine:
         if self.tap is None or not seq.capture:
             return
         m = len(inputs) - 1 + len(kept)
-        if m == 0:
+        if m == 0 and not seq.finished:  # a request that ends on EOS still tells the tap it ended
             return
         t = time.perf_counter()
         tokens = torch.cat([inputs, torch.tensor(kept, dtype=inputs.dtype)])

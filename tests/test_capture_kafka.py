@@ -23,8 +23,9 @@ from tide.producers.records import HiddenStateRecord, encode
 from tide.producers.topics import TopicConfig, ensure_topic, topic_for
 from tide.serving.api import make_app
 from tide.serving.engine import Engine, EngineConfig
+from tide.serving.sampling import SamplingParams
 
-from .conftest import serve_process
+from .conftest import serve_process, tiny_target
 
 
 def _drain(
@@ -135,6 +136,32 @@ def test_every_http_request_lands_in_its_workload_topic(
         )
         assert records[0].prefill[: len(prompt) - 1].all() and not records[-1].prefill[-1]
     assert multi_chunk >= 3  # chunking was exercised
+
+
+def test_a_request_that_stops_on_eos_lands_whole_at_once(kafka: KafkaBroker) -> None:
+    """The EOS a request stops on is not kept, so its last step taps no position: the publisher must
+    still hear that the request ended and publish its last chunk then. (It used to wait for the idle
+    flush, 30 s later, and a publisher closed before that lost the chunk: the whole completion.)"""
+    prompt = [1, 2, 3, 4]
+    free = (
+        Engine(tiny_target(seed=7), None, EngineConfig(max_batch=1, max_model_len=64, gamma=0))
+        .generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        .output
+    )
+    stop = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+    target = tiny_target(seed=7, eos_token_ids=(stop,))
+    workload = f"eos-{uuid.uuid4().hex[:6]}"
+    publisher = RecordPublisher(
+        PublisherConfig(kafka.bootstrap, "bf16", chunk_positions=4), target.fingerprint
+    )
+    engine = Engine(target, None, EngineConfig(max_batch=1, max_model_len=64, gamma=0), tap=publisher)
+    seq = engine.add(prompt, SamplingParams(max_tokens=12), "eos-0", workload=workload)
+    while engine.has_work:
+        engine.step()
+    publisher.close()  # what it still held back would be lost here
+    assert seq.finish_reason == "stop" and seq.output == free[: free.index(stop)]
+    by_request, _ = _drain(kafka.bootstrap, workload, target.fingerprint, {"eos-0"}, timeout=20)
+    assert _assemble(by_request["eos-0"]) == prompt + seq.output
 
 
 def test_broker_outage_drops_records_never_requests(target_native: Target, tmp_path: Path) -> None:
