@@ -6,7 +6,11 @@ PY ?= python3
 # root installs Debian packages itself; anyone else through sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install up serve test lint deploy-check
+.PHONY: install up serve test lint deploy-tools deploy-check
+
+# two jobs: the Go tools for deploy-check build while pip downloads (one compiles, the other waits
+# on the network); lines of the two logs interleave whole
+MAKEFLAGS += --jobs=2 --output-sync=line
 
 # The network here drops large downloads now and then (CI once failed on torch's 519 MB cuDNN
 # wheel after six resumes), so pip resumes more and a failed install is run again after a pause;
@@ -51,7 +55,10 @@ lint: install
 	$(BIN)/mypy
 
 # docker compose config, kustomize build and kubeconform: what cannot run here, rendered and validated
-deploy-check: install
+deploy-tools:
+	scripts/check_deploy.sh tools
+
+deploy-check: install deploy-tools
 	PY=$(BIN)/python scripts/check_deploy.sh
 
 test: lint deploy-check

@@ -3,13 +3,23 @@
 # `docker compose config` for every profile, `kustomize build` of the base and of each overlay, and
 # kubeconform over the result against the Kubernetes schemas (plus KEDA's ScaledObject).
 # The tools come from the Go module proxy and are built once into ~/.cache/tide/tools.
+# `check_deploy.sh tools` only builds them and fetches the schema sources (no Python needed): `make`
+# runs it beside the pip install, one downloading while the other compiles.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+MODE=${1:-check}
 TOOLS=${TIDE_TOOLS:-$HOME/.cache/tide/tools}
 K8S=v1.34.2 KEDA=v2.21.0 KUBECONFORM=v0.8.0 KUSTOMIZE=v5.8.2 COMPOSE=v5.6.0
 export GOBIN=$TOOLS/bin GOTOOLCHAIN=local
 mkdir -p "$GOBIN"
+
+moddir() {  # module@version -> its source folder in the module cache (downloaded if missing)
+    local dir
+    dir=$(go mod download -json "$1" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+    [ -n "$dir" ] || { echo "go mod download $1: no source folder" >&2; return 1; }
+    echo "$dir"
+}
 
 build() {  # name module/package@version
     [ -x "$GOBIN/$1" ] && return
@@ -22,11 +32,18 @@ if [ ! -x "$GOBIN/docker-compose" ]; then
     # compose's go.mod has exclude directives, which `go install pkg@version` refuses: build it as the
     # main module from its source in the module cache
     echo "building docker-compose from the Go module proxy (once, a few minutes)"
-    src=$(go mod download -json "github.com/docker/compose/v5@$COMPOSE" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+    src=$(moddir "github.com/docker/compose/v5@$COMPOSE")
     work=$(mktemp -d) && cp -r "$src/." "$work" && chmod -R u+w "$work"
     (cd "$work" && go build -trimpath -o "$GOBIN/docker-compose" ./cmd)
     rm -rf "$work"
 fi
+
+schemas=$TOOLS/schemas-$K8S-keda-$KEDA
+if [ ! -d "$schemas" ]; then
+    k8s=$(moddir "k8s.io/kubernetes@$K8S")
+    keda=$(moddir "github.com/kedacore/keda/v2@$KEDA")
+fi
+[ "$MODE" = tools ] && exit 0
 
 echo "== docker compose config"
 plugins=$(mktemp -d)
@@ -42,10 +59,7 @@ done
 rm -rf "$plugins"
 
 echo "== kubeconform"
-schemas=$TOOLS/schemas-$K8S-keda-$KEDA
 if [ ! -d "$schemas" ]; then
-    k8s=$(go mod download -json "k8s.io/kubernetes@$K8S" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
-    keda=$(go mod download -json "github.com/kedacore/keda/v2@$KEDA" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
     "$PY" scripts/k8s_schemas.py --swagger "$k8s/api/openapi-spec/swagger.json" \
         --crd "$keda/config/crd/bases/keda.sh_scaledobjects.yaml" --out "$schemas.tmp"
     mv "$schemas.tmp" "$schemas"

@@ -241,7 +241,7 @@ def serve_into_kafka(
     ids = (f"{prefix}{i}" for i in itertools.count())
     for p in prompts:
         # held out by the node's say-so in the record, whatever the id says
-        rid = next(i for i in ids if not is_held_out(i)) if held_out else None
+        rid = next(i for i in ids if not is_held_out(i)) if held_out else next(ids)
         engine.add(p, SamplingParams(max_tokens=64), rid, workload=workload, held_out=held_out or None)
     while engine.has_work:
         engine.step()

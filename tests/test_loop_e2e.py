@@ -67,9 +67,10 @@ def promoted(client: MlflowClient, workload: str) -> list[ModelVersion]:
     )
 
 
-def improved(client: MlflowClient, workload: str, factor: float = 1.15) -> bool:
+def improved(client: MlflowClient, workload: str, factor: float = 1.08) -> bool:
     """A promoted French draft the gate scored `factor` times the code draft it first had to beat
-    (the first promotions come after a few dozen steps, a few percent better: too close to measure)."""
+    (a promotion only a few percent better, which the first ones after a few dozen steps can be, is
+    too close to measure on eight prompts)."""
     ups = promoted(client, workload)
     if not ups:
         return False
@@ -109,6 +110,7 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
             assert time.monotonic() < start + 600, "the stack not up in 600 s:\n" + log.read_text()[-3000:]
             time.sleep(1)
         assert proc.poll() is None, log.read_text()[-3000:]
+        up = time.monotonic() - start
         text = log.read_text()
         assert f"HTTP endpoint: {url}/v1" in text and f"MLflow UI:     {ui}" in text
         logs = data / "logs"
@@ -124,7 +126,7 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
             while workload not in drafts(url) or not improved(client, workload):
                 assert proc.poll() is None, log.read_text()[-3000:]
                 assert time.monotonic() < deadline, (
-                    f"no French draft 15% better than the code draft after {sent} requests:\n"
+                    f"no French draft 8% better than the code draft after {sent} requests:\n"
                     + (logs / f"trainer-{workload}.log").read_text()[-2000:]
                     + (logs / "gate.log").read_text()[-2000:]
                 )
@@ -132,13 +134,14 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
                 list(pool.map(lambda m: chat(url, workload, m, capture=True), batch))
                 sent += len(batch)
                 time.sleep(10)  # paced: between batches the node leaves the trainer and the gate both cores
+        learnt = time.monotonic() - start
         after = acceptance(url, workload, evaluation)  # French on a promoted French draft
         assert metric(url, "tide_draft_swaps_total") >= 1
         assert metric(url, "tide_capture_records_published_total") > 0
         ups = promoted(client, workload)
         last = ups[-1].tags
         print(f"\nacceptance on {workload}: {before:.3f} -> {after:.3f} tokens/step after {sent} requests; "
-              f"gate: {last['gate.reason']}")  # fmt: skip
+              f"gate: {last['gate.reason']}; stack up at {up:.0f} s, draft learnt at {learnt:.0f} s")  # fmt: skip
         # greedy decoding of the same prompts: both figures are deterministic for a given draft
         assert after > before + 0.05, (before, after)
         assert ups[0].tags["gate.baseline"].startswith(default.name)  # the first had to beat the code draft
