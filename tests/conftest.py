@@ -228,15 +228,18 @@ def serve_into_kafka(
     n: int,
     held_out: bool = False,
     batch: str = "",
+    start: int = 0,
 ) -> set[str]:
-    """The target answers n prompts with capture on; returns the (request id, chunk) keys in the topic.
-    With `held_out`, every request is one the trainers only ever evaluate on. A later call for the
-    same workload names another `batch`: its request ids are new."""
+    """The target answers n prompts (from the `start`-th) with capture on; returns the (request id,
+    chunk) keys in the topic. With `held_out`, every request is one the trainers only ever evaluate
+    on. A later call for the same workload names another `batch`: its request ids are new."""
     publisher = RecordPublisher(
         PublisherConfig(bootstrap, "int8-g64", chunk_positions=48), target.fingerprint
     )
     engine = Engine(target, None, EngineConfig(max_batch=8, max_model_len=512, gamma=0), tap=publisher)
-    prompts = [p.token_ids(target.tok)[-200:] for p in load_prompts(WORKLOADS / prompt_file)[:n]]
+    prompts = [
+        p.token_ids(target.tok)[-200:] for p in load_prompts(WORKLOADS / prompt_file)[start : start + n]
+    ]
     prefix = f"{workload}-{batch}"  # a later batch's ids start with it, the first batch's do not
     ids = (f"{prefix}{i}" for i in itertools.count())
     for p in prompts:

@@ -33,7 +33,11 @@ def test_trainer_publishes_candidates_with_their_evidence(
     kafka: KafkaBroker, mlflow_server: str, target_native: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     workload = f"fr-{uuid.uuid4().hex[:6]}"
-    published = serve_into_kafka(target_native, kafka.bootstrap, workload, "chat_fr.jsonl", 16)
+    published = serve_into_kafka(target_native, kafka.bootstrap, workload, "chat_fr.jsonl", 12)
+    # held out for certain: by request id alone, none of 16 requests is in about one run in six
+    published |= serve_into_kafka(
+        target_native, kafka.bootstrap, workload, "chat_fr.jsonl", 4, held_out=True, batch="h", start=12
+    )
     head = load_head()
     cfg = OnlineConfig(kafka.bootstrap, workload, tmp_path / "state", eval_every=4, checkpoint_every=8,
                        publish_every=16, vocab_warmup_positions=512)  # fmt: skip
