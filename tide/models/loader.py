@@ -300,7 +300,10 @@ def _read(
         cfg = LlamaConfig.from_dict({**cfg.to_dict(), "eos_token_ids": [tokenizer.eos_token_id]})
     fp = fingerprint(cfg, tokenizer, weights)
     if p.suffix == ".gguf":
-        write_converted(_converted_path(p), cfg, weights, fp)
+        try:
+            write_converted(_converted_path(p), cfg, weights, fp)
+        except OSError as e:  # a full or read-only cache costs the next start time, nothing else
+            log.warning("could not cache the converted target (%s): the next start converts again", e)
     return p, cfg, weights, tokenizer, fp
 
 
