@@ -267,11 +267,11 @@ def write_converted(file: Path, cfg: LlamaConfig, weights: dict[str, np.ndarray]
 
 def read_converted(file: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], str]:
     from safetensors import safe_open
-    from safetensors.numpy import load_file
 
     with safe_open(str(file), framework="np") as f:
         meta = f.metadata()
-    return LlamaConfig.from_dict(json.loads(meta["config"])), load_file(str(file)), meta["fingerprint"]
+        weights = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    return LlamaConfig.from_dict(json.loads(meta["config"])), weights, meta["fingerprint"]
 
 
 def _read(
@@ -282,16 +282,17 @@ def _read(
     p = Path(path) if path else default_model_path()
     if not p.exists():
         raise ModelLoadError(f"model not found: {p}")
+    converted = _converted_path(p) if p.is_file() and p.suffix == ".gguf" else None
+    if converted is not None and converted.exists():
+        try:
+            cfg, weights, fp = read_converted(converted)
+        except Exception as e:  # safetensors raises several types; a bad cache is rebuilt
+            log.warning("converted target %s unreadable (%s): converting %s again", converted, e, p)
+        else:
+            return p, cfg, weights, Tokenizer.load(p), fp
     if p.is_dir():
         cfg, weights = read_hf_folder(p)
-    elif p.suffix == ".gguf":
-        converted = _converted_path(p)
-        if converted.exists():
-            try:
-                cfg, weights, fp = read_converted(converted)
-                return p, cfg, weights, Tokenizer.load(p), fp
-            except Exception as e:  # safetensors raises several types; a bad cache is rebuilt
-                log.warning("converted target %s unreadable (%s): converting %s again", converted, e, p)
+    elif converted is not None:
         cfg, weights = read_gguf(p)
     else:
         raise ModelLoadError(f"{p}: expected a Hugging Face folder or a .gguf file")
@@ -299,9 +300,9 @@ def _read(
     if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:
         cfg = LlamaConfig.from_dict({**cfg.to_dict(), "eos_token_ids": [tokenizer.eos_token_id]})
     fp = fingerprint(cfg, tokenizer, weights)
-    if p.suffix == ".gguf":
+    if converted is not None:
         try:
-            write_converted(_converted_path(p), cfg, weights, fp)
+            write_converted(converted, cfg, weights, fp)
         except OSError as e:  # a full or read-only cache costs the next start time, nothing else
             log.warning("could not cache the converted target (%s): the next start converts again", e)
     return p, cfg, weights, tokenizer, fp
