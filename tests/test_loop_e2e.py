@@ -96,12 +96,16 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
     data, log = tmp_path / "stack", tmp_path / "up.log"
     port, ui_port = free_port(), free_port()
     # γ fixed, so acceptance is measured on every step; the trainer evaluates (and may publish) every
-    # 25 steps, the gate looks every 3 s: minutes, not tens of minutes, on 2 cores
+    # 25 steps, the gate looks every 3 s: minutes, not tens of minutes, on 2 cores. No speedup floor:
+    # whether a draft trained for a few minutes on two shared cores predicts ≥ 1.0× depends on the
+    # machine's step times (on one CI machine 0.99× after 300 steps, and nothing was promoted); what
+    # this test checks is that a French draft better than the code draft is promoted and served. The
+    # floor has its own test (test_registry_gate).
     args = ["up", "--data", str(data), "--port", str(port), "--mlflow-port", str(ui_port), "--s3",
             "--workloads", workload, "--draft", str(trained_draft_dir),
             "--serve-args", "--gamma 3 --max-batch 4 --max-model-len 768 --chunk-positions 48 --registry-poll 2",
             "--train-args", "--eval-every 25 --checkpoint-every 25 --vocab-warmup 1024",
-            "--gate-args", "--poll-seconds 3 --min-positions 128"]  # fmt: skip
+            "--gate-args", "--poll-seconds 3 --min-positions 128 --min-speedup 0"]  # fmt: skip
     # every part one thread: the node, the trainer and the gate share two cores
     with tide_process(args, log, {"OMP_NUM_THREADS": "1"}) as proc:
         url, ui = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"

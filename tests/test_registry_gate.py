@@ -19,7 +19,7 @@ from tide.registry.store import PROFILE_TAG
 from tide.serving.cost_model import measure_profile
 
 from .conftest import serve_into_kafka
-from .drafts import Registrar, foreign_draft, nan_draft, noisy_draft
+from .drafts import Registrar, copy_draft, foreign_draft, nan_draft, noisy_draft
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,16 @@ def test_gate_promotes_better_refuses_worse_and_broken(
     tags = _decide(gate, reg)
     assert tags["gate.decision"] == "refused" and tags["gate.reason"].startswith("foreign target"), tags
     assert reg.alias("champion") == str(good.version)  # through all of it
+
+    # a candidate that beats the champion but not the floor: refused (the floor set out of reach)
+    gate.cfg.min_speedup = 100.0
+    try:
+        reg.register(copy_draft(trained_draft_dir, tmp_path / "floor", "floor"))
+        tags = _decide(gate, reg)
+    finally:
+        gate.cfg.min_speedup = 1.0
+    assert tags["gate.decision"] == "refused" and "below the minimum 100.000" in tags["gate.reason"], tags
+    assert reg.alias("champion") == str(good.version)
 
 
 def test_gate_skips_superseded_versions_and_waits_for_held_out_records(
