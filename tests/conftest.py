@@ -54,7 +54,7 @@ def target_native(target_fp32: Target) -> Target:
 
 @pytest.fixture(scope="session")
 def trained_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A draft trained by the real `tide draft train` command on a few code prompts (about two minutes)."""
+    """A draft trained by the real `tide draft train` command on a few code prompts (about three minutes)."""
     from typer.testing import CliRunner
 
     from tide.cli import app
@@ -76,7 +76,9 @@ def trained_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--budget-minutes",
             "10",
             "--max-steps",
-            "200",  # a fixed amount of training: the draft's quality must not depend on the machine's load
+            # a fixed amount of training: the draft's quality must not depend on the machine's load (on
+            # code's test prompts, tau at gamma 4: 1.63 after 125 steps, 1.70 after 200, 45% more time)
+            "130",
             "--max-new-tokens",
             "96",
             "--draft-vocab",
@@ -253,7 +255,8 @@ def serve_into_kafka(
     reader = RecordConsumer(bootstrap, [workload], f"check-{uuid.uuid4().hex[:6]}", target.fingerprint)
     keys: set[str] = set()
     idle = time.monotonic()
-    while time.monotonic() - idle < 5:
+    # until every published record is read back (or nothing more comes for 10 s: the assert says how many)
+    while len(keys) < publisher.stats.records_published and time.monotonic() - idle < 10:
         for c in reader.poll(64, 1.0):
             if not batch or c.record.request_id.startswith(prefix):  # this call's requests
                 keys.add(f"{c.record.request_id}:{c.record.chunk}")
