@@ -200,13 +200,6 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
 
 
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real MLflow tracking server (sqlite, local artifacts, job workers off); yields its URL."""
-    with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
-        yield server.url
-
-
-@pytest.fixture(scope="session")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """A real S3-compatible server (versitygw, built from the Go module proxy) for the whole session."""
     with S3Server(tmp_path_factory.mktemp("s3")) as server:

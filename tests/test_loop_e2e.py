@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -33,11 +34,12 @@ ARTIFACTS = ROOT / "out" / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
 
 
-def chat(url: str, workload: str, messages: list[dict[str, str]], capture: bool) -> int:
+def chat(url: str, workload: str, messages: list[dict[str, str]]) -> int:
+    """One request with capture off (an evaluation, not traffic to learn from)."""
     r = httpx.post(
         f"{url}/v1/chat/completions",
         json={"model": "tide", "messages": messages, "max_tokens": 64, "temperature": 0},
-        headers={"X-Tide-Workload": workload, "X-Tide-Capture": "on" if capture else "off"},
+        headers={"X-Tide-Workload": workload, "X-Tide-Capture": "off"},
         timeout=300,
     )
     assert r.status_code == 200, r.text
@@ -54,10 +56,34 @@ def acceptance(url: str, workload: str, prompts: list[list[dict[str, str]]]) -> 
 
     s0, t0 = totals()
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda m: chat(url, workload, m, capture=False), prompts))
+        list(pool.map(lambda m: chat(url, workload, m), prompts))
     s1, t1 = totals()
     assert s1 > s0
     return (t1 - t0) / (s1 - s0)
+
+
+def send_traffic(
+    url: str, workload: str, prompts: list[list[dict[str, str]]], stop: threading.Event, sent: list[int]
+) -> None:
+    """Requests with capture on, four at a time and 10 s apart (between batches the node leaves the
+    trainer and the gate both cores), until `stop`: requests in flight then hang up, so the node is
+    free at once (a batch takes up to two minutes here while the trainer and the gate run)."""
+    with ThreadPoolExecutor(4) as pool:
+        while not stop.is_set():
+            batch = [prompts[(sent[0] + i) % len(prompts)] for i in range(4)]
+            list(pool.map(lambda m: stream_chat(url, workload, m, stop), batch))
+            sent[0] += len(batch)
+            stop.wait(10)
+
+
+def stream_chat(url: str, workload: str, messages: list[dict[str, str]], stop: threading.Event) -> None:
+    body = {"model": "tide", "messages": messages, "max_tokens": 64, "temperature": 0, "stream": True}
+    headers = {"X-Tide-Workload": workload, "X-Tide-Capture": "on"}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if stop.is_set() or line == "data: [DONE]":
+                return
 
 
 def promoted(client: MlflowClient, workload: str) -> list[ModelVersion]:
@@ -124,27 +150,31 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
         assert client.get_model_version_by_alias(default.name, "champion")
 
         before = acceptance(url, workload, evaluation)  # French on the code draft
-        deadline, sent = time.monotonic() + 900, 0
-        with ThreadPoolExecutor(4) as pool:
-            # training goes on until a French draft clearly better than the code draft serves
-            while workload not in drafts(url) or not improved(client, workload):
-                assert proc.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, (
-                    f"no French draft 8% better than the code draft after {sent} requests:\n"
-                    + (logs / f"trainer-{workload}.log").read_text()[-2000:]
-                    + (logs / "gate.log").read_text()[-2000:]
-                )
-                batch = [traffic[(sent + i) % len(traffic)] for i in range(4)]
-                list(pool.map(lambda m: chat(url, workload, m, capture=True), batch))
-                sent += len(batch)
-                time.sleep(10)  # paced: between batches the node leaves the trainer and the gate both cores
+        deadline, sent, stop = time.monotonic() + 900, [0], threading.Event()
+        with ThreadPoolExecutor(1) as background:
+            sending = background.submit(send_traffic, url, workload, traffic, stop, sent)
+            try:
+                # training goes on until a French draft clearly better than the code draft serves
+                while workload not in drafts(url) or not improved(client, workload):
+                    assert proc.poll() is None, log.read_text()[-3000:]
+                    if sending.done():
+                        sending.result()  # its error
+                    assert time.monotonic() < deadline, (
+                        f"no French draft 8% better than the code draft after {sent[0]} requests:\n"
+                        + (logs / f"trainer-{workload}.log").read_text()[-2000:]
+                        + (logs / "gate.log").read_text()[-2000:]
+                    )
+                    time.sleep(2)
+            finally:
+                stop.set()
+            sending.result()
         learnt = time.monotonic() - start
         after = acceptance(url, workload, evaluation)  # French on a promoted French draft
         assert metric(url, "tide_draft_swaps_total") >= 1
         assert metric(url, "tide_capture_records_published_total") > 0
         ups = promoted(client, workload)
         last = ups[-1].tags
-        print(f"\nacceptance on {workload}: {before:.3f} -> {after:.3f} tokens/step after {sent} requests; "
+        print(f"\nacceptance on {workload}: {before:.3f} -> {after:.3f} tokens/step after {sent[0]} requests; "
               f"gate: {last['gate.reason']}; stack up at {up:.0f} s, draft learnt at {learnt:.0f} s")  # fmt: skip
         # greedy decoding of the same prompts: both figures are deterministic for a given draft
         assert after > before + 0.05, (before, after)

@@ -1,4 +1,4 @@
-"""The online trainer against a real broker and a real MLflow server: candidates with their evidence,
+"""The online trainer against a real broker and a real MLflow registry (artifacts in S3): candidates with their evidence,
 a vocabulary fitted to the workload, and nothing lost or trained twice across a SIGKILL."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from confluent_kafka import Consumer, TopicPartition
 from mlflow import MlflowClient
 
 from tide.infra.kafka.broker import KafkaBroker
+from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_head
 from tide.registry.store import model_name
@@ -30,7 +31,7 @@ from .conftest import serve_into_kafka
 
 
 def test_trainer_publishes_candidates_with_their_evidence(
-    kafka: KafkaBroker, mlflow_server: str, target_native: Target, trained_draft_dir: Path, tmp_path: Path
+    kafka: KafkaBroker, registry: MlflowServer, target_native: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     workload = f"fr-{uuid.uuid4().hex[:6]}"
     published = serve_into_kafka(target_native, kafka.bootstrap, workload, "chat_fr.jsonl", 12)
@@ -41,7 +42,7 @@ def test_trainer_publishes_candidates_with_their_evidence(
     head = load_head()
     cfg = OnlineConfig(kafka.bootstrap, workload, tmp_path / "state", eval_every=4, checkpoint_every=8,
                        publish_every=16, vocab_warmup_positions=512)  # fmt: skip
-    sink = MlflowSink(mlflow_server, workload, head.fingerprint, {"batch_size": cfg.batch_size})
+    sink = MlflowSink(registry.url, workload, head.fingerprint, {"batch_size": cfg.batch_size})
     trainer = OnlineTrainer(cfg, head, trained_draft_dir, sink, sink.log_step)
     result: list[Ledger] = []
     thread = threading.Thread(target=lambda: result.append(trainer.run(idle_seconds=5)))
@@ -57,7 +58,7 @@ def test_trainer_publishes_candidates_with_their_evidence(
     assert ledger.trained == published and ledger.records == len(published) and ledger.redeliveries == 0
     assert ledger.candidates >= 1 and ledger.steps > 0
 
-    client = MlflowClient(mlflow_server)
+    client = MlflowClient(registry.url)
     versions = client.search_model_versions(f"name = '{model_name(head.fingerprint, workload)}'")
     assert len(versions) == ledger.candidates
     run = client.get_run(sink.run_id)
@@ -87,7 +88,7 @@ def test_trainer_publishes_candidates_with_their_evidence(
 
     # the next session starts from the workload's champion
     client.set_registered_model_alias(model_name(head.fingerprint, workload), "champion", v.version)
-    again = MlflowSink(mlflow_server, workload, head.fingerprint, {})
+    again = MlflowSink(registry.url, workload, head.fingerprint, {})
     folder = champion_folder(again.client, head.fingerprint, workload, tmp_path / "state2")
     again.close()
     assert folder is not None
@@ -100,7 +101,7 @@ def _train_process(
 ) -> subprocess.Popen[bytes]:
     tide = Path(sys.executable).parent / "tide"
     args = [str(tide), "train", "--kafka", kafka.bootstrap, "--workload", workload, "--state-dir", str(state),
-            "--start-draft", str(draft), "--checkpoint-every", "4", "--eval-every", "1000", "--idle-seconds", "8",
+            "--start-draft", str(draft), "--checkpoint-every", "4", "--eval-every", "1000", "--idle-seconds", "4",
             "--vocab-warmup", "256", "--no-replay-when-idle"]  # fmt: skip
     with log.open("ab") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
@@ -37,33 +38,25 @@ def test_restart_keeps_port_and_objects(s3: S3Server) -> None:
     assert client.get_object(Bucket=BUCKET, Key="kept.bin")["Body"].read() == bytes(range(256)) * 1000
 
 
-def test_mlflow_artifacts_in_s3(s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mlflow_artifacts_in_s3(registry: MlflowServer, s3: S3Server, tmp_path: Path) -> None:
+    """The session's registry keeps run artifacts in the S3 server, where clients put and get them
+    themselves (a registry that goes away and comes back: test_registry_serving)."""
     from mlflow.tracking import MlflowClient
 
-    for k, v in s3.env.items():
-        monkeypatch.setenv(k, v)
     src = tmp_path / "draft"
     (src / "sub").mkdir(parents=True)
     (src / "config.json").write_text('{"layers": 1}')
     (src / "sub" / "weights.bin").write_bytes(b"\x00\x01" * 5000)
-    bucket = "tide-s3-test"  # its own bucket: the session's S3 server holds other tests' artifacts
-    with MlflowServer(tmp_path / "mlflow", s3=s3, bucket=bucket) as server:
-        client = MlflowClient(server.url)
-        exp = client.create_experiment("s3-artifacts")
-        run = client.create_run(exp)
-        assert run.info.artifact_uri.startswith(f"s3://{bucket}/mlflow/")
-        client.log_artifacts(run.info.run_id, str(src), "draft")
-        client.set_terminated(run.info.run_id)
+    client = MlflowClient(registry.url)
+    run = client.create_run(client.create_experiment(f"s3-artifacts-{uuid.uuid4().hex[:6]}"))
+    assert run.info.artifact_uri.startswith(f"s3://{registry.bucket}/mlflow/")
+    client.log_artifacts(run.info.run_id, str(src), "draft")
+    client.set_terminated(run.info.run_id)
 
-        listed = s3.client().list_objects_v2(Bucket=bucket, Prefix="mlflow/")
-        keys = sorted(o["Key"] for o in listed["Contents"])
-        prefix = run.info.artifact_uri.removeprefix(f"s3://{bucket}/")
-        assert keys == [f"{prefix}/draft/config.json", f"{prefix}/draft/sub/weights.bin"]
-
-        # the registry goes away and comes back where clients expect it
-        url = server.url
-        server.restart()
-        assert server.url == url
-        dst = Path(client.download_artifacts(run.info.run_id, "draft", str(tmp_path / "back")))
-        assert (dst / "config.json").read_text() == '{"layers": 1}'
-        assert (dst / "sub" / "weights.bin").read_bytes() == b"\x00\x01" * 5000
+    prefix = run.info.artifact_uri.removeprefix(f"s3://{registry.bucket}/")
+    listed = s3.client().list_objects_v2(Bucket=registry.bucket, Prefix=f"{prefix}/")
+    keys = sorted(o["Key"] for o in listed["Contents"])
+    assert keys == [f"{prefix}/draft/config.json", f"{prefix}/draft/sub/weights.bin"]
+    dst = Path(client.download_artifacts(run.info.run_id, "draft", str(tmp_path / "back")))
+    assert (dst / "config.json").read_text() == '{"layers": 1}'
+    assert (dst / "sub" / "weights.bin").read_bytes() == b"\x00\x01" * 5000

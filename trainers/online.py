@@ -33,6 +33,9 @@ from tide.trainers.checkpoint import Ledger, load_checkpoint, save_checkpoint
 from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, evaluate, select_vocab
 
 log = logging.getLogger("tide.trainers")
+# idle time counts once the group has assigned the partitions; a topic that never gets any (it does
+# not exist) counts from this long after the start
+ASSIGNMENT_WAIT_S = 30.0
 
 
 class WorkloadTaken(RuntimeError):
@@ -240,12 +243,15 @@ class OnlineTrainer:
     def run(self, max_steps: int | None = None, idle_seconds: float | None = None,
             stop: threading.Event | None = None) -> Ledger:  # fmt: skip
         """Train until `max_steps`, until no record arrived for `idle_seconds`, or until `stop` is set."""
-        idle_since = time.monotonic()
+        started = idle_since = time.monotonic()
         while not (stop and stop.is_set()) and not (max_steps and self.ledger.steps >= max_steps):
             replaying = self.cfg.replay_when_idle and self.vocab_fitted and bool(self.replay)
             fresh = self._read(0.05 if replaying else 1.0)
             if fresh is None:
-                if idle_seconds is not None and time.monotonic() - idle_since > idle_seconds:
+                now = time.monotonic()
+                if not self.consumer.assigned and now - started < ASSIGNMENT_WAIT_S:
+                    idle_since = now  # no partitions yet, so nothing could arrive: not idle
+                elif idle_seconds is not None and now - idle_since > idle_seconds:
                     break
                 if replaying:
                     self._replay_step()
