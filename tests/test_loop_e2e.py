@@ -93,10 +93,10 @@ def promoted(client: MlflowClient, workload: str) -> list[ModelVersion]:
     )
 
 
-def improved(client: MlflowClient, workload: str, factor: float = 1.08) -> bool:
+def improved(client: MlflowClient, workload: str, factor: float = 1.15) -> bool:
     """A promoted French draft the gate scored `factor` times the code draft it first had to beat
     (a promotion only a few percent better, which the first ones after a few dozen steps can be, is
-    too close to measure on eight prompts)."""
+    too close to measure on eight prompts: one scored 1.20x measured +0.10 tokens/step)."""
     ups = promoted(client, workload)
     if not ups:
         return False
@@ -160,7 +160,7 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
                     if sending.done():
                         sending.result()  # its error
                     assert time.monotonic() < deadline, (
-                        f"no French draft 8% better than the code draft after {sent[0]} requests:\n"
+                        f"no French draft 15% better than the code draft after {sent[0]} requests:\n"
                         + (logs / f"trainer-{workload}.log").read_text()[-2000:]
                         + (logs / "gate.log").read_text()[-2000:]
                     )
