@@ -93,15 +93,19 @@ def promoted(client: MlflowClient, workload: str) -> list[ModelVersion]:
     )
 
 
-def improved(client: MlflowClient, workload: str, factor: float = 1.15) -> bool:
-    """A promoted French draft the gate scored `factor` times the code draft it first had to beat
-    (a promotion only a few percent better, which the first ones after a few dozen steps can be, is
-    too close to measure on eight prompts: one scored 1.20x measured +0.10 tokens/step)."""
+def improved_serves(url: str, client: MlflowClient, workload: str, factor: float = 1.15) -> bool:
+    """The node serves (swapped in, not just promoted) a French draft the gate scored `factor` times
+    the code draft the first promotion had to beat (a promotion only a few percent better, which the
+    first ones after a few dozen steps can be, is too close to measure on eight prompts: one scored
+    1.20x measured +0.10 tokens/step)."""
+    served = drafts(url).get(workload)
     ups = promoted(client, workload)
-    if not ups:
+    if served is None or not ups:
         return False
     code = float(ups[0].tags["gate.baseline.score"])
-    return max(float(v.tags["gate.score"]) for v in ups) >= factor * code
+    return any(
+        v.tags["draft_version"] == served and float(v.tags["gate.score"]) >= factor * code for v in ups
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -155,7 +159,7 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
             sending = background.submit(send_traffic, url, workload, traffic, stop, sent)
             try:
                 # training goes on until a French draft clearly better than the code draft serves
-                while workload not in drafts(url) or not improved(client, workload):
+                while not improved_serves(url, client, workload):
                     assert proc.poll() is None, log.read_text()[-3000:]
                     if sending.done():
                         sending.result()  # its error
@@ -169,7 +173,15 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
                 stop.set()
             sending.result()
         learnt = time.monotonic() - start
-        after = acceptance(url, workload, evaluation)  # French on a promoted French draft
+        gate = json.loads((data / "stack.json").read_text())["processes"]["gate"]["pid"]
+        os.kill(gate, signal.SIGSTOP)  # no promotion while `after` is measured: one draft serves all of it
+        try:
+            time.sleep(3)  # one promoted just before is swapped in first (the node polls every 2 s)
+            served = drafts(url)[workload]
+            after = acceptance(url, workload, evaluation)  # French on a promoted French draft
+            assert drafts(url)[workload] == served
+        finally:
+            os.kill(gate, signal.SIGCONT)
         assert metric(url, "tide_draft_swaps_total") >= 1
         assert metric(url, "tide_capture_records_published_total") > 0
         ups = promoted(client, workload)

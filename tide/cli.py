@@ -162,7 +162,9 @@ def train_online(
     state_dir: Path | None = typer.Option(None, "--state-dir", help="checkpoints (default: under the cache)"),
     max_steps: int = typer.Option(0, "--max-steps", help="stop after this many steps (0: run until stopped)"),
     idle_seconds: float = typer.Option(
-        0, "--idle-seconds", help="stop after this long without records (0: never)"
+        0,
+        "--idle-seconds",
+        help="stop after this long without new records, counted once it has its partitions (0: never)",
     ),
     eval_every: int = typer.Option(50, "--eval-every"),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every"),
