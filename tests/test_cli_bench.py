@@ -105,3 +105,4 @@ def test_bench_shift_report(trained_draft_dir: Path, tmp_path: Path) -> None:
             "tide_end_vs_nospec",
         } <= p.keys()
     assert len(r["windows"]) == 4 and r["controller"]["default"]["alpha_short"]
+    assert all(0 <= w["tide_drafted_share"] <= 1 for w in r["windows"])

@@ -72,6 +72,7 @@ class Slot:
     tokens: int
     steps: int  # sequence-steps with speculation
     emitted: int  # tokens those steps produced
+    decoded: int  # sequence-steps in all, with speculation or without
 
 
 def request_id(workload: str, i: int, n: int) -> str:
@@ -101,7 +102,7 @@ class System:
         e = self.engine
         start = time.perf_counter()
         steps0, emitted0 = e.stats.steps, e.stats.emitted
-        tokens = 0
+        tokens = decoded = 0
         while time.perf_counter() - start < seconds:
             while len(e.running) + len(e.waiting) < e.cfg.max_batch:
                 # a workload that comes back goes on through its prompts where it stopped
@@ -112,9 +113,11 @@ class System:
                 prompt = prompts[i % len(prompts)]
                 d = self.capture.decide(WORKLOAD, False, rid, prompt) if self.capture else Decision(False)
                 e.add(prompt, params, rid, workload=WORKLOAD, capture=d.capture, held_out=d.held_out)
-            tokens += sum(len(o.new_tokens) for o in e.step())
+            outputs = e.step()
+            tokens += sum(len(o.new_tokens) for o in outputs)
+            decoded += sum(1 for o in outputs if o.accepted is not None)  # None: a prefill
         self.slots.append(Slot(start - t0, time.perf_counter() - start, tokens,
-                               e.stats.steps - steps0, e.stats.emitted - emitted0))  # fmt: skip
+                               e.stats.steps - steps0, e.stats.emitted - emitted0, decoded))  # fmt: skip
 
 
 def _tokens_per_s(slots: list[Slot]) -> float:
@@ -125,6 +128,12 @@ def _tokens_per_s(slots: list[Slot]) -> float:
 def _tau(slots: list[Slot]) -> float | None:
     steps = sum(s.steps for s in slots)
     return sum(s.emitted for s in slots) / steps if steps else None
+
+
+def _drafted(slots: list[Slot]) -> float | None:
+    """The share of sequence-steps that drafted (τ alone cannot tell speculation from its checks)."""
+    decoded = sum(s.decoded for s in slots)
+    return sum(s.steps for s in slots) / decoded if decoded else None
 
 
 def _pin(cores: set[int]) -> None:
@@ -291,6 +300,7 @@ def _report(
                 "tide_vs_nospec": _tokens_per_s(within(tide, w, w + cfg.window_seconds)) / n if n else None,
                 "static_tau": _tau(within(static, w, w + cfg.window_seconds)),
                 "tide_tau": _tau(within(tide, w, w + cfg.window_seconds)),
+                "tide_drafted_share": _drafted(within(tide, w, w + cfg.window_seconds)),
             }
             phase_windows.append(row)
             w += cfg.window_seconds
