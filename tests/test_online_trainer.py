@@ -1,5 +1,6 @@
-"""The online trainer against a real broker and a real MLflow registry (artifacts in S3): candidates with their evidence,
-a vocabulary fitted to the workload, and nothing lost or trained twice across a SIGKILL."""
+"""The online trainer against a real broker and a real MLflow registry (artifacts in S3): candidates
+with their evidence, a vocabulary fitted to the workload, and nothing lost or trained twice across a
+SIGKILL."""
 
 from __future__ import annotations
 

@@ -173,6 +173,7 @@ def test_registry_or_store_away_serving_goes_on_and_catches_up(
             assert complete(url, workload)["usage"]["completion_tokens"] == 24
             assert drafts(url).get(workload) == "away-1"
 
+            url_before = mlflow.url
             mlflow.stop()  # and the registry too
             errors = metric(url, "tide_registry_errors_total")
             wait_for("a failed poll", lambda: metric(url, "tide_registry_errors_total") > errors)
@@ -181,6 +182,7 @@ def test_registry_or_store_away_serving_goes_on_and_catches_up(
 
             store.start()
             mlflow.start()
+            assert mlflow.url == url_before  # back where the node expects it
             wait_for("v2 once both are back", lambda: drafts(url).get(workload) == "away-2", timeout=120)
             assert metric(url, "tide_draft_refused_total") == 0  # unreachable is not refused
     finally:
