@@ -114,6 +114,7 @@ class DraftStats:
         self.accepted = torch.zeros(max_gamma, dtype=torch.long)
         self.steps = 0
         self.emitted = 0
+        self.drafted = 0  # draft tokens proposed (gamma per sequence-step)
 
     def add(self, accepted: torch.Tensor, gamma: int) -> None:
         depth = torch.arange(gamma)
@@ -121,6 +122,7 @@ class DraftStats:
         self.accepted[:gamma] += (accepted.unsqueeze(1) > depth).sum(0)
         self.steps += int(accepted.numel())
         self.emitted += int(accepted.sum()) + int(accepted.numel())
+        self.drafted += gamma * int(accepted.numel())
 
     def rates(self) -> list[float]:
         return [

@@ -43,6 +43,7 @@ def test_speculative_sampling_keeps_the_target_distribution() -> None:
         counts[a, b, c] += 1
     rates = engine.stats.rates()
     assert 0.05 < rates[0] < 0.95, rates  # both accept and reject paths ran
+    assert engine.stats.drafted == 2 * engine.stats.steps  # gamma 2: two proposed per sequence-step
 
     expected = exact * n
     big = expected >= 5

@@ -73,6 +73,7 @@ class Slot:
     steps: int  # sequence-steps with speculation
     emitted: int  # tokens those steps produced
     decoded: int  # sequence-steps in all, with speculation or without
+    drafted: int  # draft tokens those steps proposed
 
 
 def request_id(workload: str, i: int, n: int) -> str:
@@ -101,7 +102,7 @@ class System:
     ) -> None:  # fmt: skip
         e = self.engine
         start = time.perf_counter()
-        steps0, emitted0 = e.stats.steps, e.stats.emitted
+        steps0, emitted0, drafted0 = e.stats.steps, e.stats.emitted, e.stats.drafted
         tokens = decoded = 0
         while time.perf_counter() - start < seconds:
             while len(e.running) + len(e.waiting) < e.cfg.max_batch:
@@ -117,7 +118,8 @@ class System:
             tokens += sum(len(o.new_tokens) for o in outputs)
             decoded += sum(1 for o in outputs if o.accepted is not None)  # None: a prefill
         self.slots.append(Slot(start - t0, time.perf_counter() - start, tokens,
-                               e.stats.steps - steps0, e.stats.emitted - emitted0, decoded))  # fmt: skip
+                               e.stats.steps - steps0, e.stats.emitted - emitted0, decoded,
+                               e.stats.drafted - drafted0))  # fmt: skip
 
 
 def _tokens_per_s(slots: list[Slot]) -> float:
@@ -128,6 +130,12 @@ def _tokens_per_s(slots: list[Slot]) -> float:
 def _tau(slots: list[Slot]) -> float | None:
     steps = sum(s.steps for s in slots)
     return sum(s.emitted for s in slots) / steps if steps else None
+
+
+def _gamma(slots: list[Slot]) -> float | None:
+    """Mean gamma of the steps that drafted: with tau, whether drafting was deep for what it got."""
+    steps = sum(s.steps for s in slots)
+    return sum(s.drafted for s in slots) / steps if steps else None
 
 
 def _drafted(slots: list[Slot]) -> float | None:
@@ -301,6 +309,7 @@ def _report(
                 "static_tau": _tau(within(static, w, w + cfg.window_seconds)),
                 "tide_tau": _tau(within(tide, w, w + cfg.window_seconds)),
                 "tide_drafted_share": _drafted(within(tide, w, w + cfg.window_seconds)),
+                "tide_mean_gamma": _gamma(within(tide, w, w + cfg.window_seconds)),
             }
             phase_windows.append(row)
             w += cfg.window_seconds
