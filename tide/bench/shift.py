@@ -233,6 +233,8 @@ def _run(
                   "--min-positions", "256"], "gate.log")  # fmt: skip
     params = SamplingParams(max_tokens=cfg.max_new_tokens)
     events: list[dict[str, Any]] = []
+    # the controller's state after each round: why TIDE drafted (or not) in each window
+    states: list[tuple[float, dict[str, Any]]] = []
     sync.poll_once()  # here, on the serving core: it measures the step times the gate is given
     _pin(training_cores)
     sync.start()
@@ -246,6 +248,7 @@ def _run(
                 phase = int(now // cfg.phase_seconds)
                 for s in systems:
                     s.serve(phase, str(cfg.schedule[phase]), phases[phase], t0, cfg.slot_seconds, params)
+                states.append((time.perf_counter() - t0, controller.snapshot().get(WORKLOAD, {})))
                 following = sync.following.get(WORKLOAD)
                 if following is not None and following.version != version:
                     # the node refuses a version it rolls back before it swaps (its counter comes after)
@@ -273,7 +276,7 @@ def _run(
             proc.terminate()
             proc.wait(30)
     return _report(cfg, systems, events, controller.snapshot(), publisher.stats.records_published,
-                   [len(ph) for ph in phases])  # fmt: skip
+                   [len(ph) for ph in phases], states)  # fmt: skip
 
 
 def _report(
@@ -283,6 +286,7 @@ def _report(
     controller: dict[str, Any],
     records: int,
     prompts: list[int],
+    states: list[tuple[float, dict[str, Any]]],
 ) -> dict[str, Any]:
     nospec, static, tide = systems
     windows: list[dict[str, Any]] = []
@@ -310,6 +314,10 @@ def _report(
                 "tide_tau": _tau(within(tide, w, w + cfg.window_seconds)),
                 "tide_drafted_share": _drafted(within(tide, w, w + cfg.window_seconds)),
                 "tide_mean_gamma": _gamma(within(tide, w, w + cfg.window_seconds)),
+                # the controller as the window ended: its averages, which one decided, the detector
+                "tide_controller": next(
+                    (c for t, c in reversed(states) if t <= w + cfg.window_seconds), None
+                ),
             }
             phase_windows.append(row)
             w += cfg.window_seconds
