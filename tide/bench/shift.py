@@ -301,23 +301,21 @@ def _report(
         phase_windows = []
         w = lo
         while w + cfg.window_seconds <= hi + 1e-9:
-            n = _tokens_per_s(within(nospec, w, w + cfg.window_seconds))
+            w_end = w + cfg.window_seconds
+            ws, wt = within(static, w, w_end), within(tide, w, w_end)
+            n = _tokens_per_s(within(nospec, w, w_end))
             row: dict[str, Any] = {
                 "t": w,
                 "phase": p,
                 "nospec_tokens_per_s": n,
-                "static_vs_nospec": _tokens_per_s(within(static, w, w + cfg.window_seconds)) / n
-                if n
-                else None,
-                "tide_vs_nospec": _tokens_per_s(within(tide, w, w + cfg.window_seconds)) / n if n else None,
-                "static_tau": _tau(within(static, w, w + cfg.window_seconds)),
-                "tide_tau": _tau(within(tide, w, w + cfg.window_seconds)),
-                "tide_drafted_share": _drafted(within(tide, w, w + cfg.window_seconds)),
-                "tide_mean_gamma": _gamma(within(tide, w, w + cfg.window_seconds)),
+                "static_vs_nospec": _tokens_per_s(ws) / n if n else None,
+                "tide_vs_nospec": _tokens_per_s(wt) / n if n else None,
+                "static_tau": _tau(ws),
+                "tide_tau": _tau(wt),
+                "tide_drafted_share": _drafted(wt),
+                "tide_mean_gamma": _gamma(wt),
                 # the controller as the window ended: its averages, which one decided, the detector
-                "tide_controller": next(
-                    (c for t, c in reversed(states) if t <= w + cfg.window_seconds), None
-                ),
+                "tide_controller": next((c for t, c in reversed(states) if t <= w_end), None),
             }
             phase_windows.append(row)
             w += cfg.window_seconds
