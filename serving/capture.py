@@ -195,7 +195,7 @@ class TrainingAdvisor:
     ):
         self.controller = controller
         self.sync = sync
-        self.clock = clock  # the sync's clock: saturation times come from it
+        self.clock = clock  # unix seconds, as the registry dates the candidates that end training
         self.since: dict[str, float] = {}  # workloads that need training, since when
         self._needed: dict[str, bool] = {}  # the last call's verdict on the controller's signals
 

@@ -176,7 +176,10 @@ class DraftSync:
     def _check_saturation(self, workload: str, name: str) -> None:
         """Training is done for now when none of the last `patience` candidates beat the one before
         it by `min_improvement` on the trainer's held-out examples; and, while the draft pays (the
-        advisor's call), when the gate refused the last `outdone_after` candidates it decided on."""
+        advisor's call), when the gate refused the last `outdone_after` candidates it decided on.
+        Each is dated by the oldest candidate it counts: the advisor ends training only on
+        candidates made after the workload came to need it (refusals of the last traffic's
+        candidates once ended a French phase's capture 2.5 minutes in)."""
         n, k = self.cfg.patience, self.cfg.outdone_after
         try:
             versions = self.client.search_model_versions(
@@ -186,11 +189,13 @@ class DraftSync:
             if e.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return
             raise
-        gains = [float(v.tags["held_out_gain"]) for v in versions if "held_out_gain" in (v.tags or {})]
-        _since(self.saturated, workload, len(gains) >= n and max(gains[:n]) < self.cfg.min_improvement)
-        gated = [v.tags["gate.decision"] for v in versions if "held_out_gain" in (v.tags or {})
-                 and v.tags.get("gate.decision") in ("promoted", "refused")]  # fmt: skip
-        _since(self.outdone, workload, len(gated) >= k and all(d == "refused" for d in gated[:k]))
+        made = [v for v in versions if "held_out_gain" in (v.tags or {})]  # the trainer's candidates
+        last = made[:n]
+        stalled = len(last) == n and max(float(v.tags["held_out_gain"]) for v in last) < self.cfg.min_improvement
+        _dated(self.saturated, workload, last if stalled else [])
+        gated = [v for v in made if v.tags.get("gate.decision") in ("promoted", "refused")][:k]
+        refused = len(gated) == k and all(v.tags["gate.decision"] == "refused" for v in gated)
+        _dated(self.outdone, workload, gated if refused else [])
 
     # -- after a swap: does the draft deliver what the gate predicted? ---------------------------
     def _watch(self) -> None:
@@ -273,9 +278,10 @@ def _predicted(mv: ModelVersion) -> dict[int, float]:
     return {int(k.removeprefix(prefix)): float(v) for k, v in tags.items() if k.startswith(prefix)}
 
 
-def _since(moments: dict[str, float], workload: str, holds: bool) -> None:
-    """Keep since when a condition has held for a workload (this node's clock)."""
-    if not holds:
+def _dated(moments: dict[str, float], workload: str, counted: list[ModelVersion]) -> None:
+    """A condition on these candidates holds (none: it does not), dated by the oldest one's
+    registration (the registry's clock, in unix seconds, as this node's)."""
+    if counted:
+        moments[workload] = min(int(v.creation_timestamp or 0) for v in counted) / 1000.0
+    else:
         moments.pop(workload, None)
-    elif workload not in moments:
-        moments[workload] = time.time()

@@ -194,7 +194,9 @@ def test_the_sync_reads_when_training_stopped_paying_off(
     registry: MlflowServer, target_native: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     """From the trainer's and the gate's tags: a trainer whose candidates stopped improving on each
-    other is saturated; one whose candidates the gate kept refusing is outdone, until one is promoted."""
+    other is saturated; one whose candidates the gate kept refusing is outdone, until one is promoted.
+    Each is dated by the oldest candidate it counts (the advisor weighs them against when training
+    was called for)."""
     from types import SimpleNamespace
 
     from tide.serving.draft_sync import DraftSync, SyncConfig
@@ -204,18 +206,20 @@ def test_the_sync_reads_when_training_stopped_paying_off(
     engine = SimpleNamespace(target=target_native, workloads_seen=set())
     sync = DraftSync(SyncConfig(registry.url, tmp_path / "cache", "t", patience=2, outdone_after=3), engine)
 
-    def candidate(gain: float, decision: str) -> None:
+    def candidate(gain: float, decision: str) -> float:
         mv = reg.register(trained_draft_dir, {"held_out_gain": str(gain)})
         reg.client.set_model_version_tag(reg.name, mv.version, "gate.decision", decision)
         sync._check_saturation(workload, reg.name)
+        return int(mv.creation_timestamp) / 1000.0
 
-    candidate(0.05, "refused")
-    candidate(0.04, "refused")
+    first = candidate(0.05, "refused")
+    second = candidate(0.04, "refused")
     assert workload not in sync.saturated and workload not in sync.outdone  # improving, two refused
     candidate(0.03, "refused")
     assert workload in sync.outdone and workload not in sync.saturated
-    since = sync.outdone[workload]
-    candidate(0.002, "refused")
-    assert sync.outdone[workload] == since  # still outdone, since the same moment
+    assert sync.outdone[workload] == first  # the oldest of the three refusals
+    third_small = candidate(0.002, "refused")
+    assert sync.outdone[workload] == second  # dated by the oldest of the last three refusals
     candidate(0.001, "promoted")
+    assert sync.saturated[workload] == third_small  # the last two gained nothing
     assert workload not in sync.outdone and workload in sync.saturated
