@@ -191,7 +191,9 @@ class DraftSync:
             raise
         made = [v for v in versions if "held_out_gain" in (v.tags or {})]  # the trainer's candidates
         last = made[:n]
-        stalled = len(last) == n and max(float(v.tags["held_out_gain"]) for v in last) < self.cfg.min_improvement
+        stalled = (
+            len(last) == n and max(float(v.tags["held_out_gain"]) for v in last) < self.cfg.min_improvement
+        )
         _dated(self.saturated, workload, last if stalled else [])
         gated = [v for v in made if v.tags.get("gate.decision") in ("promoted", "refused")][:k]
         refused = len(gated) == k and all(v.tags["gate.decision"] == "refused" for v in gated)
