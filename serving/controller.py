@@ -93,6 +93,10 @@ class Acceptance:
     # short and long disagree by a shift's margin, either way: gamma follows the short one
     moved: bool = field(init=False)
     seen: list[int] = field(init=False)  # attempts observed at each depth
+    # attempts observed at each depth since the draft or the traffic last changed: a deeper depth's
+    # rate from before then is the old traffic's (a draft that misses its first token rarely reaches
+    # the deeper ones, so they keep it for thousands of steps)
+    fresh: list[int] = field(init=False)
     known: int = field(init=False)  # depths with a rate of their own (observed or given)
     # steps (with what checks stand for) since it last shifted or paid: how long training was called for
     needed_for: int = field(init=False)
@@ -110,6 +114,7 @@ class Acceptance:
         self.long = list(self.short)
         self.recent = list(self.short)
         self.seen = [0] * self.max_gamma
+        self.fresh = [0] * self.max_gamma
         self.shifted = self.moved = False
         self.needed_for = 0
 
@@ -137,13 +142,26 @@ class Acceptance:
             self.long[d] += max(first, _ema_weight(long_h, n * span)) * (rate - self.long[d])
             self.recent[d] += max(first, _ema_weight(recent_h, n * span)) * (rate - self.recent[d])
             self.seen[d] += n
+            self.fresh[d] += n
 
-    def alphas(self, which: str = "short") -> list[float]:
-        """Per-depth rates; a depth never observed takes the last observed one's (rates decay with depth)."""
+    def mark_shift(self) -> None:
+        """The detector fired: the short average drops to the very short one, and the deeper
+        depths' rates count as the old traffic's until observed again."""
+        self.short = [min(s, r) for s, r in zip(self.short, self.recent, strict=True)]
+        self.fresh = [0] * self.max_gamma
+
+    def alphas(self, which: str = "short", current: bool = False) -> list[float]:
+        """Per-depth rates; a depth never observed takes the last observed one's (rates decay with depth).
+        `current`: what gamma is chosen on; a deeper depth's rate from before the last change is pulled
+        down to the depth above's, less so with each attempt observed since (PRIOR_WEIGHT: half way)."""
         src = self.short if which == "short" else self.long
         out: list[float] = []
         for d in range(self.max_gamma):
-            out.append(src[d] if d < self.known else out[-1])
+            a = src[d] if d < self.known else out[-1]
+            if current and d > 0:
+                w = self.fresh[d] / (self.fresh[d] + PRIOR_WEIGHT)
+                a = w * a + (1.0 - w) * min(a, out[-1])
+            out.append(a)
         return out
 
     def deciding(self) -> str:
@@ -238,7 +256,7 @@ class Controller:
             alive, tau = 1.0, 1.0
             taus[0] += n
             acc = self.tracker(w)
-            for g, a in enumerate(acc.alphas(acc.deciding()), start=1):
+            for g, a in enumerate(acc.alphas(acc.deciding(), current=True), start=1):
                 alive *= a
                 tau += alive
                 taus[g] += n * tau
@@ -311,7 +329,7 @@ class Controller:
                 acc.update(sub, gamma, cfg.short_steps, cfg.long_steps, cfg.recent_steps, span)
                 shifted = self._shifted(acc)
                 if shifted and not acc.shifted:  # the traffic changed under the draft: act on it now
-                    acc.short = [min(s, r) for s, r in zip(acc.short, acc.recent, strict=True)]
+                    acc.mark_shift()
                 acc.shifted = shifted
                 acc.moved = shifted or self._rose(acc)
                 # one workload in the batch: the step's own decision says whether its draft pays

@@ -116,6 +116,24 @@ def test_gamma_rides_out_a_harder_request_and_follows_a_shift() -> None:
     assert c.shifted("w") and c.best(["w"]).gamma == 1
 
 
+def test_after_a_shift_deeper_depths_count_only_once_observed_again() -> None:
+    """A draft that misses its first token rarely reaches the deeper depths, so their averages keep
+    the old traffic's rates: gamma is chosen as if they were no better than the first depth's, until
+    attempts there say otherwise."""
+    c = Controller(ControllerConfig(max_gamma=6), [CPU])
+    feed(c, "w", 6, 6, 2000)  # every draft accepted
+    for i in range(400):  # the traffic changed: one step in four gets its first draft accepted
+        c.observe(["w"], torch.tensor([1 if i % 4 == 0 else 0]), 1, c.costs.step_time(1, 1))
+    acc = c.tracker("w")
+    assert acc.shifted and acc.alphas("short")[2] > 0.9  # depth 3 last observed before the shift
+    current = acc.alphas("short", current=True)
+    assert current[2] == current[1] == current[0] < 0.3
+    assert c.best(["w"]).gamma <= 1
+    for i in range(400):  # the draft gets past its first token and then keeps going, observed at gamma 6
+        c.observe(["w"], torch.tensor([6 if i % 3 == 0 else 0]), 6, c.costs.step_time(1, 6))
+    assert min(acc.alphas("short", current=True)[1:]) > 0.9  # observed again: trusted again
+
+
 def test_one_hard_request_does_not_call_for_training_and_a_shift_does() -> None:
     c = Controller(ControllerConfig(max_gamma=6), [CPU])
     for i in range(2000):  # steady traffic, as above
