@@ -1,0 +1,163 @@
+"""The controller on real acceptance: a shift run's captured requests replayed through it.
+
+`python scripts/controller_trace_sim.py WORK_DIR CODE_DRAFT NEW_DRAFT [--requests workloads/chat_fr.jsonl]`
+restarts the Kafka broker of a finished `tide bench shift --work-dir WORK_DIR` (as `replay_gate.py`
+does) and reads every captured request. For each completion position it computes how many of a
+draft's chained tokens the target would accept there (greedy: drafting gamma accepts the smaller of
+that and gamma), with the draft unrolled as in training, six deep, over the captured hidden states.
+Then it serves three stretches through `serving.controller.Controller`, each step taking its
+profiled time (`controller_shift_sim.PROFILE`): the earlier traffic's requests on CODE_DRAFT, the new
+traffic's (`--requests`) on CODE_DRAFT (the shift), and those of the new traffic's requests that
+NEW_DRAFT never learnt from (held out, or served after its file was written) on NEW_DRAFT, swapped in
+with the tau the first three of them measure (the gate's part). It prints per stretch the throughput over
+plain decoding of the controller and of each fixed gamma (with its tau per step: the tau over
+all positions printed first counts a long accepted run at every position it covers, while steps
+land after a rejection, on the harder ones), and for the controller the 10th
+percentile and median over stretches of 250 target steps (about a 30 s window of the shift bench's TIDE).
+Unlike `controller_shift_sim.py` the acceptance is the real one: bursty, request by request, and
+correlated across depths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from controller_shift_sim import PROFILE
+from replay_gate import read_records
+
+from tide.infra.kafka.broker import KafkaBroker
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.loader import TargetHead, load_head
+from tide.serving.controller import Controller, ControllerConfig
+from tide.trainers.ttt import Example, collate, ttt_forward
+
+DEPTH = 6
+WINDOW_STEPS = 250
+
+
+@torch.no_grad()
+def chain_lengths(draft: Eagle3Draft, head: TargetHead, ex: Example) -> list[int]:
+    """Per completion position: how many chained draft tokens the target accepts from there."""
+    batch = collate([ex], 10**9)
+    _, corrects, valids = ttt_forward(draft, head.lm_head, batch, DEPTH, 1.0)
+    alive = valids[0][0].clone()
+    first = alive.clone()
+    length = torch.zeros_like(alive, dtype=torch.long)
+    for c, v in zip(corrects, valids, strict=True):
+        alive = alive & c[0] & v[0]
+        length += alive.long()
+    return length[first].tolist()
+
+
+def traces(draft: Eagle3Draft, head: TargetHead, requests: list[list[Example]]) -> list[list[int]]:
+    return [[m for ex in pieces for m in chain_lengths(draft, head, ex)] for pieces in requests]
+
+
+def serve(c: Controller | None, gamma: int, trace: list[int], log: list[tuple[int, float]]) -> None:
+    """One request: `c` chooses gamma (None: the fixed `gamma`); appends (tokens, seconds) per step."""
+    p = 0
+    while p < len(trace):
+        g = c.choose(["w"]).gamma if c is not None else gamma
+        k = min(trace[p], g)
+        s = PROFILE.target[g + 1] + PROFILE.drafting(g)
+        if c is not None:
+            c.observe(["w"], torch.tensor([k]), g, s)
+        log.append((k + 1, s))
+        p += k + 1
+
+
+def ratio(log: list[tuple[int, float]]) -> float:
+    return sum(t for t, _ in log) * PROFILE.target[1] / sum(s for _, s in log)
+
+
+def windows(log: list[tuple[int, float]]) -> list[float]:
+    """Ratios over stretches of WINDOW_STEPS plain-step times."""
+    out, start, spent = [], 0, 0.0
+    for i, (_, s) in enumerate(log):
+        spent += s
+        if spent >= WINDOW_STEPS * PROFILE.target[1]:
+            out.append(ratio(log[start : i + 1]))
+            start, spent = i + 1, 0.0
+    return out
+
+
+def expected_taus(trace: list[list[int]]) -> dict[int, float]:
+    """tau at gamma 1..4 over these requests' positions (what the gate measures on held-out ones)."""
+    ms = [m for t in trace for m in t]
+    return {g: 1.0 + sum(min(m, g) for m in ms) / len(ms) for g in range(1, 5)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("work", type=Path)
+    ap.add_argument("code_draft", type=Path)
+    ap.add_argument("new_draft", type=Path)
+    ap.add_argument("--requests", default="workloads/chat_fr.jsonl")
+    ap.add_argument("--workload", default="default")
+    ap.add_argument("--gammas", default="1,2,3,4")
+    args = ap.parse_args()
+    if not (args.work / "kafka" / "ports.json").is_file():
+        sys.exit(f"{args.work} is not the --work-dir of a finished `tide bench shift`")
+    head = load_head()
+    with KafkaBroker(args.work / "kafka") as kafka:
+        records = read_records(kafka.bootstrap, head, args.workload)
+    by_request: dict[str, list[Example]] = defaultdict(list)
+    for rid, _, ex in records:  # oldest first: a request's pieces in order
+        by_request[rid].append(ex)
+    old = [p for rid, p in by_request.items() if not rid.startswith(args.requests)]
+    new = [p for rid, p in by_request.items() if rid.startswith(args.requests)]
+    first = min(p[0].created_at for p in new)
+    old = [p for p in old if p[0].created_at < first]
+    # the new draft is judged only on requests it never learnt from: held out, or served after it was made
+    made = (args.new_draft / "model.safetensors").stat().st_mtime
+    held = {rid for rid, h, _ in records if h}
+    unseen = [
+        p
+        for rid, p in by_request.items()
+        if rid.startswith(args.requests) and (rid in held or p[0].created_at > made)
+    ]
+    drafts = {
+        name: Eagle3Draft.load(path, head.embed, head.config, head.fingerprint, torch.float32)
+        for name, path in (("code", args.code_draft), ("new", args.new_draft))
+    }
+    stretches = {
+        "earlier traffic, code draft": traces(drafts["code"], head, old),
+        "new traffic, code draft": traces(drafts["code"], head, new),
+        "new traffic, new draft": traces(drafts["new"], head, unseen),
+    }
+    print(
+        f"{len(old)} earlier requests, {len(new)} new ones ({len(unseen)} the new draft never learnt from); profile T(1) {PROFILE.target[1] * 1e3:.1f} ms"
+    )
+    for name, trace in stretches.items():
+        ms = [m for t in trace for m in t]
+        print(
+            f"{name}: {len(ms)} positions, tau at gamma 1..4 {[round(t, 3) for t in expected_taus(trace).values()]}"
+        )
+    c = Controller(ControllerConfig(max_gamma=DEPTH), [PROFILE])
+    for name, trace in stretches.items():
+        if name == "new traffic, new draft":  # swapped in with what the gate measured on its first requests
+            c.draft_changed(["w"], expected_taus(trace[:3]))
+        log: list[tuple[int, float]] = []
+        for t in trace:
+            serve(c, 0, t, log)
+        w = sorted(windows(log))
+        fixed = {}
+        for g in (int(x) for x in args.gammas.split(",")):
+            flog: list[tuple[int, float]] = []
+            for t in trace:
+                serve(None, g, t, flog)
+            fixed[g] = (round(ratio(flog), 3), round(sum(t for t, _ in flog) / len(flog), 3))
+        p10 = w[len(w) // 10] if w else float("nan")
+        print(
+            f"{name:30s} controller {ratio(log):.3f} (windows: median {statistics.median(w):.3f}, "
+            f"p10 {p10:.3f}, n {len(w)})  fixed gamma: (throughput, tau per step) {fixed}"
+        )
+
+
+if __name__ == "__main__":
+    main()

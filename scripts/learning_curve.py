@@ -1,0 +1,102 @@
+"""How fast the trainer learns a new traffic: held-out tau against the records it trained on.
+
+`python scripts/learning_curve.py WORK_DIR START_DRAFT [--requests workloads/chat_fr.jsonl] [--lrs 1e-3,3e-3]
+[--replay-steps 30] [--recent 64]` restarts the Kafka broker of a finished `tide bench shift --work-dir
+WORK_DIR` (as `replay_gate.py` does) and reads every record. The records of requests whose id starts
+with `--requests` (the new traffic) are split as they were captured: held out, or to train on. A copy
+of START_DRAFT (the static draft: what the trainer started the run from) is trained the way the online
+trainer trains: its vocabulary refitted on the first 2,048 new positions, the earlier traffic's records
+in its replay buffer, each step 4 new records and 4 from the buffer, and between new records
+`--replay-steps` steps on the buffer (4 from its newest `--recent`, 4 from all of it; live, with
+traffic of one request every 12 s, the trainer made about 30 per new step). It prints, per learning
+rate, held-out tau at gamma 1..4 on all the new traffic's held-out records each time the records
+trained on double. Run it on a quiet machine; each learning rate takes minutes per hundred steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+from replay_gate import read_records
+
+from tide.infra.kafka.broker import KafkaBroker
+from tide.models.eagle3 import Eagle3Draft
+from tide.models.loader import load_head
+from tide.trainers.online import refit_vocab, replay_batch
+from tide.trainers.ttt import Example, TrainConfig, Trainer, evaluate, select_vocab
+
+WARMUP_POSITIONS = 2048  # as OnlineConfig.vocab_warmup_positions
+BATCH = 4  # as OnlineConfig.batch_size
+
+
+def curve(
+    start: Path, old: list[Example], new: list[Example], held: list[Example], lr: float, replay_steps: int,
+    recent: int,
+) -> list[tuple[int, int, list[float]]]:  # fmt: skip
+    """(records trained on, steps, held-out tau by gamma) at 0 and each doubling."""
+    head = load_head()
+    draft = Eagle3Draft.load(start, head.embed, head.config, head.fingerprint, torch.float32)
+    cfg = TrainConfig(lr=lr)
+    out = [(0, 0, evaluate(draft.eval(), head.lm_head, held, cfg).tau)]
+    warm, n = 0, 0
+    while warm < len(new) and sum(len(e.tokens) for e in new[: warm + 1]) < WARMUP_POSITIONS:
+        warm += 1
+    ids = select_vocab(
+        new[: warm + 1], draft.cfg.draft_vocab_size, head.config.vocab_size, old, draft.target_ids()
+    )
+    refit_vocab(draft, ids, head.lm_head)
+    trainer = Trainer(draft, head.lm_head, cfg)
+    replay = list(old)
+    report = 8
+    rnd = random.Random(0)
+    while n < len(new):
+        fresh = new[n : n + BATCH]
+        trainer.step(fresh + rnd.sample(replay, min(len(fresh), len(replay))))
+        replay = (replay + fresh)[-2000:]
+        n += len(fresh)
+        for _ in range(replay_steps):
+            trainer.step(replay_batch(replay, BATCH, recent))
+        if n >= report or n >= len(new):
+            tau = evaluate(draft.eval(), head.lm_head, held, cfg).tau
+            draft.train()
+            out.append((n, trainer.steps, tau))
+            print(f"lr {lr:g}: {n:4d} records, {trainer.steps:5d} steps, held-out tau {[round(t, 3) for t in tau]}",
+                  flush=True)  # fmt: skip
+            report *= 2
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("work", type=Path)
+    ap.add_argument("start", type=Path)
+    ap.add_argument(
+        "--requests", default="workloads/chat_fr.jsonl", help="request ids of the new traffic start so"
+    )
+    ap.add_argument("--lrs", default="1e-3")
+    ap.add_argument("--replay-steps", type=int, default=30)
+    ap.add_argument("--recent", type=int, default=64)
+    ap.add_argument("--workload", default="default")
+    args = ap.parse_args()
+    if not (args.work / "kafka" / "ports.json").is_file():
+        sys.exit(f"{args.work} is not the --work-dir of a finished `tide bench shift`")
+    with KafkaBroker(args.work / "kafka") as kafka:
+        records = read_records(kafka.bootstrap, load_head(), args.workload)
+    first = min((ex.created_at for rid, _, ex in records if rid.startswith(args.requests)), default=None)
+    if first is None:
+        sys.exit(f"no records of requests {args.requests}*")
+    old = [ex for rid, held, ex in records if not held and ex.created_at < first]
+    new = [ex for rid, held, ex in records if not held and rid.startswith(args.requests)]
+    held = [ex for rid, h, ex in records if h and rid.startswith(args.requests)]
+    print(f"{len(old)} earlier records in the replay buffer; new traffic: {len(new)} to train on "
+          f"({sum(len(e.tokens) for e in new)} positions), {len(held)} held out", flush=True)  # fmt: skip
+    for lr in (float(x) for x in args.lrs.split(",")):
+        curve(args.start, old[-2000:], new, held, lr, args.replay_steps, args.recent)
+
+
+if __name__ == "__main__":
+    main()
