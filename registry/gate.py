@@ -80,7 +80,7 @@ class GateConfig:
 @dataclass
 class Evaluation:
     version: str
-    tau: list[float]  # gamma = 1..gamma_max
+    tau: list[float]  # gamma = 1..gamma_max, per step as serving steps (`Metrics.step_tau`)
     speedup: list[float] | None  # the same, through the cost model (None: no profile)
     accepted: torch.Tensor  # (examples, gamma_max): drafts accepted, summed over each example's anchors
     anchors: torch.Tensor  # (examples,)
@@ -406,8 +406,8 @@ class Gate:
         m = evaluate(draft, h.lm_head, examples, self.train_cfg)
         speedup = None
         if profile is not None:
-            speedup = [profile.speedup_at(t, g) for g, t in enumerate(m.tau, start=1)]
-        return Evaluation(str(mv.version), m.tau, speedup, m.accepted, m.anchors)
+            speedup = [profile.speedup_at(t, g) for g, t in enumerate(m.step_tau, start=1)]
+        return Evaluation(str(mv.version), m.step_tau, speedup, m.accepted, m.anchors)
 
     def _record(
         self,

@@ -34,28 +34,21 @@ from tide.infra.kafka.broker import KafkaBroker
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead, load_head
 from tide.serving.controller import Controller, ControllerConfig
-from tide.trainers.ttt import Example, collate, ttt_forward
+from tide.trainers.ttt import Example, chain_lengths, collate, ttt_forward
 
 DEPTH = 6
 WINDOW_STEPS = 250
 
 
 @torch.no_grad()
-def chain_lengths(draft: Eagle3Draft, head: TargetHead, ex: Example) -> list[int]:
+def position_lengths(draft: Eagle3Draft, head: TargetHead, ex: Example) -> list[int]:
     """Per completion position: how many chained draft tokens the target accepts from there."""
-    batch = collate([ex], 10**9)
-    _, corrects, valids = ttt_forward(draft, head.lm_head, batch, DEPTH, 1.0)
-    alive = valids[0][0].clone()
-    first = alive.clone()
-    length = torch.zeros_like(alive, dtype=torch.long)
-    for c, v in zip(corrects, valids, strict=True):
-        alive = alive & c[0] & v[0]
-        length += alive.long()
-    return length[first].tolist()
+    _, corrects, valids = ttt_forward(draft, head.lm_head, collate([ex], 10**9), DEPTH, 1.0)
+    return chain_lengths(corrects, valids)[0][valids[0][0]].tolist()
 
 
 def traces(draft: Eagle3Draft, head: TargetHead, requests: list[list[Example]]) -> list[list[int]]:
-    return [[m for ex in pieces for m in chain_lengths(draft, head, ex)] for pieces in requests]
+    return [[m for ex in pieces for m in position_lengths(draft, head, ex)] for pieces in requests]
 
 
 def serve(c: Controller | None, gamma: int, trace: list[int], log: list[tuple[int, float]]) -> None:

@@ -132,3 +132,21 @@ def test_skipping_prompt_anchors_changes_neither_loss_nor_gradients(monkeypatch:
     for a, b in zip(skipped[1], full[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert torch.equal(skipped[2], full[2]) and torch.equal(skipped[3], full[3])
+
+
+def test_tau_per_step_walks_the_chain_as_serving_does() -> None:
+    """A step starts where the last one's tokens end: a long accepted run counts once, not once per
+    position it covers, as `chain_tau` counts it."""
+    from tide.trainers import ttt
+
+    # the chain accepts 2, 0, 1, 3, 0, 0 drafts from positions 0..5; position 6 is padding
+    truth = torch.tensor([[2, 0, 1, 3, 0, 0, 0]])
+    valid = torch.tensor([[True] * 6 + [False]])
+    corrects = [truth > d for d in range(4)]
+    valids = [valid] * 4
+    lengths = ttt.chain_lengths(corrects, valids)
+    assert lengths.tolist() == [[2, 0, 1, 3, 0, 0, 0]]
+    assert ttt.served_steps(lengths, valid, 2) == (6, 2)  # 2 kept at 0, then 2 of 3 at 3
+    assert ttt.served_steps(lengths, valid, 1) == (6, 4)  # at 0, 2, 4 and 5
+    per_position = 1 + sum(min(m, 2) for m in [2, 0, 1, 3, 0, 0]) / 6
+    assert abs(per_position - 11 / 6) < 1e-9 < 6 / 2 - per_position  # here the steps land on the runs
