@@ -9,7 +9,7 @@ Then it serves three stretches through `serving.controller.Controller`, each ste
 profiled time (`controller_shift_sim.PROFILE`): the earlier traffic's requests on CODE_DRAFT, the new
 traffic's (`--requests`) on CODE_DRAFT (the shift), and those of the new traffic's requests that
 NEW_DRAFT never learnt from (held out, or served after its file was written) on NEW_DRAFT, swapped in
-with the tau the first three of them measure (the gate's part). It prints per stretch the throughput over
+with the tau per step the first three of them measure (the gate's part). It prints per stretch the throughput over
 plain decoding of the controller and of each fixed gamma (with its tau per step: the tau over
 all positions printed first counts a long accepted run at every position it covers, while steps
 land after a rejection, on the harder ones), and for the controller the 10th
@@ -79,10 +79,21 @@ def windows(log: list[tuple[int, float]]) -> list[float]:
     return out
 
 
-def expected_taus(trace: list[list[int]]) -> dict[int, float]:
-    """tau at gamma 1..4 over these requests' positions (what the gate measures on held-out ones)."""
+def position_taus(trace: list[list[int]]) -> list[float]:
+    """tau at gamma 1..4 with every position a chain's start (the trainer's held-out tau)."""
     ms = [m for t in trace for m in t]
-    return {g: 1.0 + sum(min(m, g) for m in ms) / len(ms) for g in range(1, 5)}
+    return [1.0 + sum(min(m, g) for m in ms) / len(ms) for g in range(1, 5)]
+
+
+def step_taus(trace: list[list[int]]) -> dict[int, float]:
+    """tau at gamma 1..4 per step, served at each fixed gamma (what the gate measures and tags)."""
+    out = {}
+    for g in range(1, 5):
+        log: list[tuple[int, float]] = []
+        for t in trace:
+            serve(None, g, t, log)
+        out[g] = sum(k for k, _ in log) / len(log)
+    return out
 
 
 def main() -> None:
@@ -104,7 +115,7 @@ def main() -> None:
         by_request[rid].append(ex)
     old = [p for rid, p in by_request.items() if not rid.startswith(args.requests)]
     new = [p for rid, p in by_request.items() if rid.startswith(args.requests)]
-    first = min(p[0].created_at for p in new)
+    first = min((p[0].created_at for p in new), default=0.0)
     old = [p for p in old if p[0].created_at < first]
     # the new draft is judged only on requests it never learnt from: held out, or served after it was made
     made = (args.new_draft / "model.safetensors").stat().st_mtime
@@ -114,6 +125,11 @@ def main() -> None:
         for rid, p in by_request.items()
         if rid.startswith(args.requests) and (rid in held or p[0].created_at > made)
     ]
+    if not (old and new and unseen):
+        sys.exit(
+            f"{args.work}: needs requests before {args.requests}*, requests of it, and some of them "
+            f"{args.new_draft} never learnt from (found {len(old)}, {len(new)}, {len(unseen)})"
+        )
     drafts = {
         name: Eagle3Draft.load(path, head.embed, head.config, head.fingerprint, torch.float32)
         for name, path in (("code", args.code_draft), ("new", args.new_draft))
@@ -129,12 +145,12 @@ def main() -> None:
     for name, trace in stretches.items():
         ms = [m for t in trace for m in t]
         print(
-            f"{name}: {len(ms)} positions, tau at gamma 1..4 {[round(t, 3) for t in expected_taus(trace).values()]}"
+            f"{name}: {len(ms)} positions, tau at gamma 1..4 over positions {[round(t, 3) for t in position_taus(trace)]}"
         )
     c = Controller(ControllerConfig(max_gamma=DEPTH), [PROFILE])
     for name, trace in stretches.items():
         if name == "new traffic, new draft":  # swapped in with what the gate measured on its first requests
-            c.draft_changed(["w"], expected_taus(trace[:3]))
+            c.draft_changed(["w"], step_taus(trace[:3]))
         log: list[tuple[int, float]] = []
         for t in trace:
             serve(c, 0, t, log)

@@ -8,9 +8,10 @@ of START_DRAFT (the static draft: what the trainer started the run from) is trai
 trainer trains: its vocabulary refitted on the first 2,048 new positions, the earlier traffic's records
 in its replay buffer, each step 4 new records and 4 from the buffer, and between new records
 `--replay-steps` steps on the buffer (4 from its newest `--recent`, 4 from all of it; live, with
-traffic of one request every 12 s, the trainer made about 30 per new step). It prints, per learning
+traffic of one request every 12-13 s, the trainer made about 30 per new step). It prints, per learning
 rate, held-out tau at gamma 1..4 on all the new traffic's held-out records each time the records
-trained on double. Run it on a quiet machine; each learning rate takes minutes per hundred steps.
+trained on double, after the held-out tau of each `--compare` draft (say, the run's own candidates) on
+the same records. `--lrs ''` only compares. Each learning rate takes minutes per hundred steps.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from replay_gate import read_records
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.eagle3 import Eagle3Draft
-from tide.models.loader import load_head
+from tide.models.loader import TargetHead, load_head
 from tide.trainers.online import refit_vocab, replay_batch
 from tide.trainers.ttt import Example, TrainConfig, Trainer, evaluate, select_vocab
 
@@ -34,14 +35,12 @@ BATCH = 4  # as OnlineConfig.batch_size
 
 
 def curve(
-    start: Path, old: list[Example], new: list[Example], held: list[Example], lr: float, replay_steps: int,
-    recent: int,
-) -> list[tuple[int, int, list[float]]]:  # fmt: skip
-    """(records trained on, steps, held-out tau by gamma) at 0 and each doubling."""
-    head = load_head()
+    head: TargetHead, start: Path, old: list[Example], new: list[Example], held: list[Example], lr: float,
+    replay_steps: int, recent: int,
+) -> None:  # fmt: skip
+    """Prints held-out tau by gamma each time the records trained on double."""
     draft = Eagle3Draft.load(start, head.embed, head.config, head.fingerprint, torch.float32)
     cfg = TrainConfig(lr=lr)
-    out = [(0, 0, evaluate(draft.eval(), head.lm_head, held, cfg).tau)]
     warm, n = 0, 0
     while warm < len(new) and sum(len(e.tokens) for e in new[: warm + 1]) < WARMUP_POSITIONS:
         warm += 1
@@ -63,11 +62,9 @@ def curve(
         if n >= report or n >= len(new):
             tau = evaluate(draft.eval(), head.lm_head, held, cfg).tau
             draft.train()
-            out.append((n, trainer.steps, tau))
             print(f"lr {lr:g}: {n:4d} records, {trainer.steps:5d} steps, held-out tau {[round(t, 3) for t in tau]}",
                   flush=True)  # fmt: skip
             report *= 2
-    return out
 
 
 def main() -> None:
@@ -81,11 +78,15 @@ def main() -> None:
     ap.add_argument("--replay-steps", type=int, default=30)
     ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--workload", default="default")
+    ap.add_argument(
+        "--compare", default="", help="draft folders to score on the same held-out records, comma-separated"
+    )
     args = ap.parse_args()
     if not (args.work / "kafka" / "ports.json").is_file():
         sys.exit(f"{args.work} is not the --work-dir of a finished `tide bench shift`")
+    head = load_head()
     with KafkaBroker(args.work / "kafka") as kafka:
-        records = read_records(kafka.bootstrap, load_head(), args.workload)
+        records = read_records(kafka.bootstrap, head, args.workload)
     first = min((ex.created_at for rid, _, ex in records if rid.startswith(args.requests)), default=None)
     if first is None:
         sys.exit(f"no records of requests {args.requests}*")
@@ -94,8 +95,14 @@ def main() -> None:
     held = [ex for rid, h, ex in records if h and rid.startswith(args.requests)]
     print(f"{len(old)} earlier records in the replay buffer; new traffic: {len(new)} to train on "
           f"({sum(len(e.tokens) for e in new)} positions), {len(held)} held out", flush=True)  # fmt: skip
-    for lr in (float(x) for x in args.lrs.split(",")):
-        curve(args.start, old[-2000:], new, held, lr, args.replay_steps, args.recent)
+    if not held:
+        sys.exit(f"no held-out records of requests {args.requests}* to measure on")
+    for folder in filter(None, args.compare.split(",")):
+        draft = Eagle3Draft.load(folder, head.embed, head.config, head.fingerprint, torch.float32)
+        tau = evaluate(draft, head.lm_head, held, TrainConfig()).tau
+        print(f"{folder}: held-out tau {[round(t, 3) for t in tau]}", flush=True)
+    for lr in (float(x) for x in filter(None, args.lrs.split(","))):
+        curve(head, args.start, old[-2000:], new, held, lr, args.replay_steps, args.recent)
 
 
 if __name__ == "__main__":

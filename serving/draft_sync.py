@@ -179,7 +179,7 @@ class DraftSync:
         advisor's call), when the gate refused the last `outdone_after` candidates it decided on.
         Each is dated by the oldest candidate it counts: the advisor ends training only on
         candidates made after the workload came to need it (refusals of the last traffic's
-        candidates once ended a French phase's capture 2.5 minutes in)."""
+        candidates once ended a French phase's capture three minutes in)."""
         n, k = self.cfg.patience, self.cfg.outdone_after
         try:
             versions = self.client.search_model_versions(

@@ -211,20 +211,6 @@ def ttt_forward(
     return total, corrects, valids
 
 
-def chain_accepted(
-    corrects: list[torch.Tensor], valids: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy chain acceptance per sequence: drafts accepted at gamma = 1..steps summed over its
-    anchors (positions where every step has a target), (B, steps); and its anchors, (B,)."""
-    anchors = valids[-1]
-    alive = anchors.clone()
-    accepted = []
-    for c in corrects:
-        alive = alive & c
-        accepted.append(alive.sum(-1))
-    return torch.stack(accepted, -1).cumsum(-1), anchors.sum(-1)
-
-
 def chain_lengths(corrects: list[torch.Tensor], valids: list[torch.Tensor]) -> torch.Tensor:
     """(B, L): drafts the greedy chain accepts from each anchor, up to len(corrects)."""
     alive = valids[0].clone()
@@ -233,6 +219,17 @@ def chain_lengths(corrects: list[torch.Tensor], valids: list[torch.Tensor]) -> t
         alive = alive & c & v
         length += alive.long()
     return length
+
+
+def chain_accepted(
+    corrects: list[torch.Tensor], valids: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain acceptance per sequence: drafts accepted at gamma = 1..steps summed over its
+    anchors (positions where every step has a target), (B, steps); and its anchors, (B,)."""
+    anchors = valids[-1]
+    depth = torch.arange(len(corrects), device=anchors.device)
+    reached = (chain_lengths(corrects, valids).unsqueeze(-1) > depth) & anchors.unsqueeze(-1)
+    return reached.sum(1).cumsum(-1), anchors.sum(-1)
 
 
 def served_steps(lengths: torch.Tensor, starts: torch.Tensor, gamma: int) -> tuple[int, int]:
