@@ -27,7 +27,7 @@ from replay_gate import read_records
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead, load_head
-from tide.trainers.online import refit_vocab, replay_batch
+from tide.trainers.online import coverage, grown_vocab, keep_recent, refit_vocab, replay_batch
 from tide.trainers.ttt import Example, TrainConfig, Trainer, evaluate, select_vocab
 
 WARMUP_POSITIONS = 2048  # as OnlineConfig.vocab_warmup_positions
@@ -36,25 +36,42 @@ BATCH = 4  # as OnlineConfig.batch_size
 
 def curve(
     head: TargetHead, start: Path, old: list[Example], new: list[Example], held: list[Example], lr: float,
-    replay_steps: int, recent: int,
+    replay_steps: int, recent: int, warmup_positions: int, grow_gain: float | None,
 ) -> None:  # fmt: skip
     """Prints held-out tau by gamma each time the records trained on double."""
     draft = Eagle3Draft.load(start, head.embed, head.config, head.fingerprint, torch.float32)
     cfg = TrainConfig(lr=lr)
     warm, n = 0, 0
-    while warm < len(new) and sum(len(e.tokens) for e in new[: warm + 1]) < WARMUP_POSITIONS:
+    while warm < len(new) and sum(len(e.tokens) for e in new[: warm + 1]) < warmup_positions:
         warm += 1
-    ids = select_vocab(
-        new[: warm + 1], draft.cfg.draft_vocab_size, head.config.vocab_size, old, draft.target_ids()
+
+    def fit(ids: torch.Tensor) -> Trainer:
+        refit_vocab(draft, ids, head.lm_head)
+        return Trainer(draft, head.lm_head, cfg)
+
+    trainer = fit(
+        select_vocab(
+            new[: warm + 1], draft.cfg.draft_vocab_size, head.config.vocab_size, old, draft.target_ids()
+        )
     )
-    refit_vocab(draft, ids, head.lm_head)
-    trainer = Trainer(draft, head.lm_head, cfg)
+    since_fit, refits = 0, 1
     replay = list(old)
     report = 8
-    rnd = random.Random(0)
     while n < len(new):
         fresh = new[n : n + BATCH]
-        trainer.step(fresh + rnd.sample(replay, min(len(fresh), len(replay))))
+        since_fit += sum(len(e.tokens) for e in fresh)
+        if grow_gain is not None and n > warm and since_fit >= warmup_positions:
+            # as the online trainer grows its vocabulary with the traffic
+            window = keep_recent(new[: n + len(fresh)], warmup_positions)
+            earlier = new[: n + len(fresh) - len(window)]
+            since_fit = 0
+            if (
+                ids := grown_vocab(earlier, window, draft.t2d, head.config.vocab_size, old, grow_gain)
+            ) is not None:
+                steps = trainer.steps
+                trainer = fit(ids)
+                trainer.steps, refits = steps, refits + 1
+        trainer.step(fresh + random.sample(replay, min(len(fresh), len(replay))))
         replay = (replay + fresh)[-2000:]
         n += len(fresh)
         for _ in range(replay_steps):
@@ -62,7 +79,8 @@ def curve(
         if n >= report or n >= len(new):
             tau = evaluate(draft.eval(), head.lm_head, held, cfg).tau
             draft.train()
-            print(f"lr {lr:g}: {n:4d} records, {trainer.steps:5d} steps, held-out tau {[round(t, 3) for t in tau]}",
+            print(f"lr {lr:g}: {n:4d} records, {trainer.steps:5d} steps, {refits} vocabulary fits "
+                  f"(coverage {coverage(held, draft.t2d):.3f}), held-out tau {[round(t, 3) for t in tau]}",
                   flush=True)  # fmt: skip
             report *= 2
 
@@ -78,6 +96,16 @@ def main() -> None:
     ap.add_argument("--replay-steps", type=int, default=30)
     ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--workload", default="default")
+    ap.add_argument("--seed", type=int, default=0, help="of the replay sampling and the new rows' order")
+    ap.add_argument(
+        "--warmup", type=int, default=WARMUP_POSITIONS, help="positions the vocabulary is first fitted on"
+    )
+    ap.add_argument(
+        "--grow-gain",
+        type=float,
+        default=None,
+        help="grow the vocabulary as the online trainer does, at this coverage gain (default: never)",
+    )
     ap.add_argument(
         "--compare", default="", help="draft folders to score on the same held-out records, comma-separated"
     )
@@ -102,7 +130,20 @@ def main() -> None:
         tau = evaluate(draft, head.lm_head, held, TrainConfig()).tau
         print(f"{folder}: held-out tau {[round(t, 3) for t in tau]}", flush=True)
     for lr in (float(x) for x in filter(None, args.lrs.split(","))):
-        curve(head, args.start, old[-2000:], new, held, lr, args.replay_steps, args.recent)
+        random.seed(args.seed)  # the replay batches: runs that differ only in an option are comparable
+        torch.manual_seed(args.seed)
+        curve(
+            head,
+            args.start,
+            old[-2000:],
+            new,
+            held,
+            lr,
+            args.replay_steps,
+            args.recent,
+            args.warmup,
+            args.grow_gain,
+        )
 
 
 if __name__ == "__main__":

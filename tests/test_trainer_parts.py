@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tide.trainers.online import keep_recent, newest_uncovered, replay_batch, turned_over
+from tide.trainers.online import grown_vocab, keep_recent, newest_uncovered, replay_batch, turned_over
 from tide.trainers.ttt import Example, select_vocab
 
 
@@ -81,6 +81,22 @@ def test_the_vocabulary_is_refitted_to_the_traffic_that_moved_it() -> None:
     # too few new positions to fit a vocabulary to: the whole window
     assert newest_uncovered(window, covered, 0.7, 17) == window
     assert newest_uncovered(old, covered, 0.7, 1) == old
+
+
+def test_the_vocabulary_grows_with_the_traffic_it_was_first_fitted_to() -> None:
+    covered = torch.zeros(100, dtype=torch.bool)
+    covered[[1, 2, 60, 61]] = True  # fitted to the new traffic's first request, which said 60 and 61
+    earlier = [_example([0, 60, 61, 62, 63], learn_from=1), _example([0, 62, 63, 64], learn_from=1)]
+    newest = [_example([0, 60, 62, 63, 64], learn_from=1)]
+    # a fit to `earlier` (60-63) says 3 of the newest 4 completion tokens, the draft's 1: refit to all
+    ids = grown_vocab(earlier, newest, covered, 100, None, 0.02)
+    assert ids is not None and ids.tolist() == [60, 62, 63, 64]  # as many words as the draft has
+    # a vocabulary already as good as a fit to what came before: no refit (nor a fresh optimiser)
+    covered[:] = False
+    covered[[1, 60, 62, 63]] = True  # 3 of 4, as the trial fit
+    assert grown_vocab(earlier, newest, covered, 100, None, 0.02) is None
+    assert grown_vocab(earlier, newest, covered, 100, None, 0.0) is not None
+    assert grown_vocab([], newest, covered, 100, None, 0.0) is None  # nothing to fit to
 
 
 def test_a_candidate_is_published_again_once_the_held_out_set_has_turned_over() -> None:
