@@ -27,7 +27,14 @@ from replay_gate import read_records
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead, load_head
-from tide.trainers.online import coverage, grown_vocab, keep_recent, refit_vocab, replay_batch
+from tide.trainers.online import (
+    completion_positions,
+    coverage,
+    grown_vocab,
+    keep_recent,
+    refit_vocab,
+    replay_batch,
+)
 from tide.trainers.ttt import Example, TrainConfig, Trainer, evaluate, select_vocab
 
 WARMUP_POSITIONS = 2048  # as OnlineConfig.vocab_warmup_positions
@@ -54,7 +61,7 @@ def curve(
             new[: warm + 1], draft.cfg.draft_vocab_size, head.config.vocab_size, old, draft.target_ids()
         )
     )
-    since_fit, refits = 0, 1
+    since_fit, refits, fitted = 0, 1, completion_positions(new[: warm + 1])
     replay = list(old)
     report = 8
     while n < len(new):
@@ -66,11 +73,12 @@ def curve(
             earlier = new[: n + len(fresh) - len(window)]
             since_fit = 0
             if (
-                ids := grown_vocab(earlier, window, draft.t2d, head.config.vocab_size, old, grow_gain)
+                ids := grown_vocab(earlier, window, draft.t2d, fitted, head.config.vocab_size, old, grow_gain)
             ) is not None:
                 steps = trainer.steps
                 trainer = fit(ids)
                 trainer.steps, refits = steps, refits + 1
+                fitted = completion_positions(earlier + window)
         trainer.step(fresh + random.sample(replay, min(len(fresh), len(replay))))
         replay = (replay + fresh)[-2000:]
         n += len(fresh)

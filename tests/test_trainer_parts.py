@@ -89,14 +89,16 @@ def test_the_vocabulary_grows_with_the_traffic_it_was_first_fitted_to() -> None:
     earlier = [_example([0, 60, 61, 62, 63], learn_from=1), _example([0, 62, 63, 64], learn_from=1)]
     newest = [_example([0, 60, 62, 63, 64], learn_from=1)]
     # a fit to `earlier` (60-63) says 3 of the newest 4 completion tokens, the draft's 1: refit to all
-    ids = grown_vocab(earlier, newest, covered, 100, None, 0.02)
+    ids = grown_vocab(earlier, newest, covered, 4, 100, None, 0.02)
     assert ids is not None and ids.tolist() == [60, 62, 63, 64]  # as many words as the draft has
+    # 11 positions read of the traffic: not yet twice the 6 the draft's vocabulary was fitted to
+    assert grown_vocab(earlier, newest, covered, 6, 100, None, 0.02) is None
     # a vocabulary already as good as a fit to what came before: no refit (nor a fresh optimiser)
     covered[:] = False
     covered[[1, 60, 62, 63]] = True  # 3 of 4, as the trial fit
-    assert grown_vocab(earlier, newest, covered, 100, None, 0.02) is None
-    assert grown_vocab(earlier, newest, covered, 100, None, 0.0) is not None
-    assert grown_vocab([], newest, covered, 100, None, 0.0) is None  # nothing to fit to
+    assert grown_vocab(earlier, newest, covered, 4, 100, None, 0.02) is None
+    assert grown_vocab(earlier, newest, covered, 4, 100, None, 0.0) is not None
+    assert grown_vocab([], newest, covered, 0, 100, None, 0.0) is None  # nothing to fit to
 
 
 def test_a_candidate_is_published_again_once_the_held_out_set_has_turned_over() -> None:
