@@ -340,7 +340,6 @@ class OnlineTrainer:
             if coverage(self._waiting, self.draft.t2d) < self.cfg.refit_coverage:
                 self._refit(self._waiting)
                 self._moved_at = min(e.created_at for e in self._waiting)
-                self._fitted = completion_positions(self._waiting)
             self.vocab_fitted = True
             fresh, self._waiting = self._waiting, []
         self._recent = keep_recent(self._recent + fresh, self.cfg.vocab_warmup_positions)
@@ -352,7 +351,6 @@ class OnlineTrainer:
             )
             self._refit(moved, self.replay)
             self._moved_at = min(e.created_at for e in moved)
-            self._fitted = completion_positions(moved)
         elif self._since_refit >= self.cfg.vocab_warmup_positions:
             self._grow_vocab()
         n = self.cfg.batch_size
@@ -403,7 +401,6 @@ class OnlineTrainer:
         )
         if ids is not None:
             self._refit(earlier + self._recent, self.replay, ids)
-            self._fitted = completion_positions(earlier + self._recent)
 
     def _refit(
         self, examples: list[Example], fill: list[Example] | None = None, ids: torch.Tensor | None = None
@@ -417,6 +414,7 @@ class OnlineTrainer:
                 self.draft.target_ids(),
             )
         refit_vocab(self.draft, ids, self.head.lm_head)
+        self._fitted = completion_positions(examples)
         self.trainer = self._new_trainer()
         self.trainer.steps = self.ledger.steps
         self.refits += 1
