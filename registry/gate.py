@@ -34,7 +34,9 @@ from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 
 from tide.models.eagle3 import DraftLoadError, DraftMismatchError, Eagle3Draft
 from tide.models.loader import TargetHead
+from tide.producers.assembler import RequestAssembler
 from tide.producers.consumer import RecordConsumer
+from tide.producers.records import HiddenStateRecord
 from tide.registry.store import (
     CHAMPION,
     PREVIOUS,
@@ -147,6 +149,7 @@ class HeldOut:
         self.checked = 0  # `arrived` when the champion was last weighed against earlier ones
         self.drained = False  # a first drain has waited for the partitions (or its whole budget)
         self.consumer = RecordConsumer(cfg.bootstrap, [workload], f"tide-gate.{workload}", head.fingerprint)
+        self.requests = RequestAssembler()  # judged whole, as they are served
 
     @property
     def positions(self) -> int:
@@ -163,17 +166,21 @@ class HeldOut:
                     break
                 continue
             for c in batch:
-                if not c.record.held_out:
-                    continue
-                ex = example_of(c.record, self.head.lm_head)
-                if ex is not None:
-                    self.examples.append(ex)
-                    self.arrived += len(ex.tokens) - ex.learn_from
+                if c.record.held_out:
+                    self._judge_on(self.requests.add(c.record))
+        self._judge_on(self.requests.flush())
         self.drained = True
         cfg = self.cfg
         since = time.time() - cfg.held_out_seconds
         self.examples = keep_recent(self.examples, cfg.held_out_positions, since, cfg.min_positions)
         return self.examples
+
+    def _judge_on(self, requests: list[HiddenStateRecord]) -> None:
+        for r in requests:
+            ex = example_of(r, self.head.lm_head)
+            if ex is not None:
+                self.examples.append(ex)
+                self.arrived += len(ex.tokens) - ex.learn_from
 
     def close(self) -> None:
         self.consumer.close()

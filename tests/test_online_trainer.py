@@ -63,7 +63,7 @@ def test_trainer_publishes_candidates_with_their_evidence(
     versions = client.search_model_versions(f"name = '{model_name(head.fingerprint, workload)}'")
     assert len(versions) == ledger.candidates
     run = client.get_run(sink.run_id)
-    assert run.info.status == "FINISHED" and run.data.params["batch_size"] == "4"
+    assert run.info.status == "FINISHED" and run.data.params["batch_size"] == str(cfg.batch_size)
     assert len(client.get_metric_history(sink.run_id, "tau")) >= 2  # metrics over steps
     v = max(versions, key=lambda v: int(v.version))
     tags = v.tags

@@ -14,6 +14,7 @@ candidate was never judged on, or every `publish_every` steps.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import random
 import threading
@@ -27,6 +28,7 @@ from confluent_kafka.admin import AdminClient
 
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead
+from tide.producers.assembler import RequestAssembler, record_key
 from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HiddenStateRecord
 from tide.trainers.checkpoint import Ledger, load_checkpoint, save_checkpoint
@@ -47,12 +49,13 @@ class OnlineConfig:
     bootstrap: str
     workload: str
     state_dir: Path  # checkpoints and candidates of this workload
-    batch_size: int = 4  # new records per step; as many again come from the replay buffer
-    replay_size: int = 2000  # examples kept for replay (and saved with the checkpoint)
-    # half of each replay batch comes from the newest this many examples: after a shift, steps
+    # examples are whole requests (a few hundred positions: about six of the records they came in)
+    batch_size: int = 1  # new requests per step; as many again come from the replay buffer
+    replay_size: int = 400  # requests kept for replay (and saved with the checkpoint)
+    # half of each replay batch comes from the newest this many requests: after a shift, steps
     # without new records (most of them: a trainer outpaces its traffic) train mostly on the new
     # workload instead of in proportion to its small share of the buffer
-    recent_examples: int = 64
+    recent_examples: int = 12
     # held-out examples: those of the last `held_out_seconds` (after a shift the held-out set must be
     # the new traffic soon), at most `held_out_positions`, at least `held_out_floor` when there are
     held_out_positions: int = 1536
@@ -247,6 +250,7 @@ class OnlineTrainer:
             self.trainer.opt.load_state_dict(resumed.optimizer)
         self.trainer.steps = self.ledger.steps
         self.consumer = RecordConsumer(cfg.bootstrap, [cfg.workload], self.group, head.fingerprint)
+        self.requests = RequestAssembler()  # the draft learns each request whole, as it serves it
         self._waiting: list[Example] = []  # read before the vocabulary was refitted
         self._recent: list[Example] = []  # the last fresh examples: the draft vocabulary's coverage
         self.published = copy.deepcopy(self.draft).eval()  # what the last candidate was, to compare with
@@ -302,21 +306,24 @@ class OnlineTrainer:
         """New examples from the next poll ([] when all were duplicates or held out; None when idle)."""
         consumed = self.consumer.poll(self.cfg.poll_records, timeout)
         self.ledger.skipped = self.consumer.stats.skipped
-        if not consumed:
+        requests = self.requests.flush()
+        if not consumed and not requests:
             return None
-        fresh: list[Example] = []
         for c in consumed:
             where = f"{c.topic}:{c.partition}"
             self.ledger.offsets[where] = max(self.ledger.offsets.get(where, 0), c.offset + 1)
             self.ledger.first_offsets.setdefault(where, c.offset)
-            key = f"{c.record.request_id}:{c.record.chunk}"
+            key = record_key(c.record)
             if key in self.ledger.trained:
                 self.ledger.redeliveries += 1
                 continue
             self.ledger.trained.add(key)
             self.ledger.records += 1
-            held = c.record.held_out
-            ex = example_of(c.record, self.head.lm_head if held else None)
+            requests += self.requests.add(c.record, where, c.offset)
+        fresh: list[Example] = []
+        for r in requests:
+            held = r.held_out
+            ex = example_of(r, self.head.lm_head if held else None)
             if ex is None:
                 continue
             if held:
@@ -461,9 +468,16 @@ class OnlineTrainer:
     def checkpoint(self) -> None:
         """Make the training so far durable, then commit the offsets it covers."""
         self._train([], force=True)  # records read but held back for the vocabulary are trained first
-        save_checkpoint(self.ckpt_dir, self.ledger, self.draft, self.trainer.opt, self.replay, self.held_out)
+        # records of requests still being assembled are not covered: a resumed trainer reads them again
+        holding = self.requests.holding()
+        ledger = dataclasses.replace(
+            self.ledger,
+            trained=self.ledger.trained - self.requests.keys(),
+            offsets={w: min(o, holding.get(w, o)) for w, o in self.ledger.offsets.items()},
+        )
+        save_checkpoint(self.ckpt_dir, ledger, self.draft, self.trainer.opt, self.replay, self.held_out)
         self._fresh_steps = 0
-        self.consumer.commit_offsets(self.ledger.offsets)
+        self.consumer.commit_offsets(ledger.offsets)
 
     def close(self) -> None:
         self.consumer.close()
