@@ -2,12 +2,13 @@
 
 For the newest undecided version of each workload's registered model, the candidate and the draft
 serving that workload (its champion, else the `default` workload's champion) are evaluated on the
-same held-out records: tau for gamma = 1..gamma_max (greedy chain, from the target's own states),
-and the cost model's speedup at the step times a serving node last measured (the registered
+same held-out requests, each joined from its records (a draft serves with the whole request before
+it in context): tau for gamma = 1..gamma_max (greedy chain, from the target's own states), and the
+cost model's speedup at the step times a serving node last measured (the registered
 model's `serving.profile` tag). The score is the best speedup over gamma, or tau at the serving
 gamma while no node has published a profile. A candidate is promoted when it passes the minimum,
 beats the baseline by the margin, and its tau gain is significant: `confidence` standard errors
-above zero, the held-out examples compared in pairs (a couple of lucky examples promote nothing).
+above zero, the held-out requests compared in pairs (a couple of lucky requests promote nothing).
 The old champion moves to `previous`. Every decision leaves
 its figures and reason as `gate.*` tags on the version.
 
@@ -61,7 +62,7 @@ class GateConfig:
     bootstrap: str  # Kafka: the held-out records
     cache_dir: Path  # downloaded versions
     margin: float = 0.02  # the candidate's score must beat the baseline's by this fraction
-    # ... and its tau gain must stand this many standard errors above zero, examples as paired units:
+    # ... and its tau gain must stand this many standard errors above zero, requests as paired units:
     # on thin held-out data (a quiet workload, just after a shift) a lucky draft is not promoted.
     # (replayed on two shift runs, 1.64 refused three more candidates, all better in the minutes after)
     confidence: float = 1.0
@@ -70,7 +71,7 @@ class GateConfig:
     gamma: int = 4  # the serving gamma, used while no profile is known
     gamma_max: int = 4
     min_positions: int = 256  # held-out positions needed before any decision
-    # held-out examples per workload: those of the last `held_out_seconds` (after a shift they must
+    # held-out requests per workload: those of the last `held_out_seconds` (after a shift they must
     # soon be the new traffic), at most `held_out_positions`, topped up to `min_positions` with older ones
     held_out_positions: int = 1536
     held_out_seconds: float = 120.0

@@ -1,17 +1,18 @@
-"""How fast the trainer learns a new traffic: held-out tau against the records it trained on.
+"""How fast the trainer learns a new traffic: held-out tau against the requests it trained on.
 
 `python scripts/learning_curve.py WORK_DIR START_DRAFT [--requests workloads/chat_fr.jsonl] [--lrs 1e-3,3e-3]
 [--replay-steps 30] [--recent 64]` restarts the Kafka broker of a finished `tide bench shift --work-dir
-WORK_DIR` (as `replay_gate.py` does) and reads every record. The records of requests whose id starts
-with `--requests` (the new traffic) are split as they were captured: held out, or to train on. A copy
-of START_DRAFT (the static draft: what the trainer started the run from) is trained the way the online
-trainer trains: its vocabulary refitted on the first 2,048 new positions, the earlier traffic's records
-in its replay buffer, each step 4 new records and 4 from the buffer, and between new records
-`--replay-steps` steps on the buffer (4 from its newest `--recent`, 4 from all of it; live, with
-traffic of one request every 12-13 s, the trainer made about 30 per new step). It prints, per learning
-rate, held-out tau at gamma 1..4 on all the new traffic's held-out records each time the records
-trained on double, after the held-out tau of each `--compare` draft (say, the run's own candidates) on
-the same records. `--lrs ''` only compares. Each learning rate takes minutes per hundred steps.
+WORK_DIR` (as `replay_gate.py` does) and reads every record, joined into the requests they were cut
+from. The requests whose id starts with `--requests` (the new traffic) are split as they were
+captured: held out, or to train on. A copy of START_DRAFT (the static draft: what the trainer started
+the run from) is trained the way the online trainer trains (its `OnlineConfig` defaults): its
+vocabulary refitted on the first 2,048 new positions, the earlier traffic's requests in its replay
+buffer, each step one new request and one from the buffer, and between new requests `--replay-steps`
+steps on the buffer (one from its newest `--recent`, one from all of it; live, with traffic of one
+request every 12-13 s, the trainer made about 30 per new step). It prints, per learning rate,
+held-out tau at gamma 1..4 on all the new traffic's held-out requests each time the requests trained
+on double, after the held-out tau of each `--compare` draft (say, the run's own candidates) on the
+same requests. `--lrs ''` only compares. Each learning rate takes minutes per hundred steps.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tide.infra.kafka.broker import KafkaBroker
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead, load_head
 from tide.trainers.online import (
+    OnlineConfig,
     completion_positions,
     coverage,
     grown_vocab,
@@ -37,15 +39,14 @@ from tide.trainers.online import (
 )
 from tide.trainers.ttt import Example, TrainConfig, Trainer, evaluate, select_vocab
 
-WARMUP_POSITIONS = 2048  # as OnlineConfig.vocab_warmup_positions
-BATCH = 4  # as OnlineConfig.batch_size
+BATCH = OnlineConfig.batch_size
 
 
 def curve(
     head: TargetHead, start: Path, old: list[Example], new: list[Example], held: list[Example], lr: float,
     replay_steps: int, recent: int, warmup_positions: int, grow_gain: float | None,
 ) -> None:  # fmt: skip
-    """Prints held-out tau by gamma each time the records trained on double."""
+    """Prints held-out tau by gamma each time the requests trained on double."""
     draft = Eagle3Draft.load(start, head.embed, head.config, head.fingerprint, torch.float32)
     cfg = TrainConfig(lr=lr)
     warm, n = 0, 0
@@ -80,14 +81,14 @@ def curve(
                 trainer.steps, refits = steps, refits + 1
                 fitted = completion_positions(earlier + window)
         trainer.step(fresh + random.sample(replay, min(len(fresh), len(replay))))
-        replay = (replay + fresh)[-2000:]
+        replay = (replay + fresh)[-OnlineConfig.replay_size :]
         n += len(fresh)
         for _ in range(replay_steps):
             trainer.step(replay_batch(replay, BATCH, recent))
         if n >= report or n >= len(new):
             tau = evaluate(draft.eval(), head.lm_head, held, cfg).tau
             draft.train()
-            print(f"lr {lr:g}: {n:4d} records, {trainer.steps:5d} steps, {refits} vocabulary fits "
+            print(f"lr {lr:g}: {n:4d} requests, {trainer.steps:5d} steps, {refits} vocabulary fits "
                   f"(coverage {coverage(held, draft.t2d):.3f}), held-out tau {[round(t, 3) for t in tau]}",
                   flush=True)  # fmt: skip
             report *= 2
@@ -102,11 +103,14 @@ def main() -> None:
     )
     ap.add_argument("--lrs", default="1e-3")
     ap.add_argument("--replay-steps", type=int, default=30)
-    ap.add_argument("--recent", type=int, default=64)
+    ap.add_argument("--recent", type=int, default=OnlineConfig.recent_examples)
     ap.add_argument("--workload", default="default")
     ap.add_argument("--seed", type=int, default=0, help="of the replay sampling and the new rows' order")
     ap.add_argument(
-        "--warmup", type=int, default=WARMUP_POSITIONS, help="positions the vocabulary is first fitted on"
+        "--warmup",
+        type=int,
+        default=OnlineConfig.vocab_warmup_positions,
+        help="positions the vocabulary is first fitted on",
     )
     ap.add_argument(
         "--grow-gain",
@@ -115,7 +119,7 @@ def main() -> None:
         help="grow the vocabulary as the online trainer does, at this coverage gain (default: never)",
     )
     ap.add_argument(
-        "--compare", default="", help="draft folders to score on the same held-out records, comma-separated"
+        "--compare", default="", help="draft folders to score on the same held-out requests, comma-separated"
     )
     args = ap.parse_args()
     if not (args.work / "kafka" / "ports.json").is_file():
@@ -125,14 +129,14 @@ def main() -> None:
         records = read_records(kafka.bootstrap, head, args.workload)
     first = min((ex.created_at for rid, _, ex in records if rid.startswith(args.requests)), default=None)
     if first is None:
-        sys.exit(f"no records of requests {args.requests}*")
+        sys.exit(f"no requests {args.requests}*")
     old = [ex for rid, held, ex in records if not held and ex.created_at < first]
     new = [ex for rid, held, ex in records if not held and rid.startswith(args.requests)]
     held = [ex for rid, h, ex in records if h and rid.startswith(args.requests)]
-    print(f"{len(old)} earlier records in the replay buffer; new traffic: {len(new)} to train on "
+    print(f"{len(old)} earlier requests in the replay buffer; new traffic: {len(new)} to train on "
           f"({sum(len(e.tokens) for e in new)} positions), {len(held)} held out", flush=True)  # fmt: skip
     if not held:
-        sys.exit(f"no held-out records of requests {args.requests}* to measure on")
+        sys.exit(f"no held-out requests {args.requests}* to measure on")
     for folder in filter(None, args.compare.split(",")):
         draft = Eagle3Draft.load(folder, head.embed, head.config, head.fingerprint, torch.float32)
         tau = evaluate(draft, head.lm_head, held, TrainConfig()).tau
@@ -143,7 +147,7 @@ def main() -> None:
         curve(
             head,
             args.start,
-            old[-2000:],
+            old[-OnlineConfig.replay_size :],
             new,
             held,
             lr,

@@ -3,10 +3,10 @@
 Run after `tide bench shift --work-dir DIR`: `python scripts/replay_gate.py DIR > decisions.jsonl`.
 It restarts the run's Kafka broker and MLflow server on their folders. For each candidate the gate
 decided against a baseline, it prints one JSON line: the decision, the paired tau gain over the
-baseline and its standard error on the held-out records the gate judged on (those of the two
-minutes before the decision, as the gate keeps them; `z` with 64-position records as the paired
-units, as the gate pairs them, `z_requests` with whole requests), and both drafts' tau on the traffic of the
-three minutes after it. That later traffic counts only requests no trainer had learnt from before
+baseline and its standard error on the held-out requests the gate judged on (those of the two
+minutes before the decision, as the gate keeps them, joined from their records as the gate joins
+them; `z` with requests as the paired units), and both drafts' tau on the traffic of the three
+minutes after it. That later traffic counts only requests no trainer had learnt from before
 they were served (held-out ones, and a prompt's first request): a draft that learnt a prompt's text
 is not judged on it coming again. A promotion was right when `after_gain` is positive.
 """
@@ -20,15 +20,16 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import torch
 from mlflow import MlflowClient
 
 from tide.bench.shift import AGAIN
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.models.loader import TargetHead, load_head
+from tide.producers.assembler import RequestAssembler
 from tide.producers.consumer import RecordConsumer
-from tide.registry.gate import Evaluation, Gate, GateConfig, parse_profile
+from tide.producers.records import HiddenStateRecord
+from tide.registry.gate import Gate, GateConfig, parse_profile
 from tide.registry.store import PROFILE_TAG
 from tide.trainers.online import example_of, keep_recent
 from tide.trainers.ttt import Example
@@ -37,34 +38,24 @@ AFTER_SECONDS = 180.0
 
 
 def read_records(bootstrap: str, head: TargetHead, workload: str) -> list[tuple[str, bool, Example]]:
-    """Every record of the workload's topic, oldest first, with its request id and held-out status."""
+    """Every request of the workload's topic, joined from its records, oldest first, with its id and
+    held-out status."""
     consumer = RecordConsumer(bootstrap, [workload], f"replay-{time.time()}", head.fingerprint)
-    out: list[tuple[str, bool, Example]] = []
+    requests = RequestAssembler()
+    joined: list[HiddenStateRecord] = []
     empty = 0
-    while empty < (3 if out else 20):  # the first polls wait for the group to form
+    while empty < (3 if joined or requests.pending else 20):  # the first polls wait for the group to form
         batch = consumer.poll(512, 3.0)
         empty = 0 if batch else empty + 1
         for c in batch:
-            ex = example_of(c.record, head.lm_head)
-            if ex is not None:
-                out.append((c.record.request_id, c.record.held_out, ex))
+            joined += requests.add(c.record)
     consumer.close()
+    out = [
+        (r.request_id, r.held_out, ex)
+        for r in joined + requests.flush(everything=True)
+        if (ex := example_of(r, head.lm_head)) is not None
+    ]
     return sorted(out, key=lambda r: r[2].created_at)
-
-
-def by_request(ev: Evaluation, requests: list[str]) -> Evaluation:
-    """The same evaluation with each request's pieces summed: requests as the paired units."""
-    ids = {r: i for i, r in enumerate(dict.fromkeys(requests))}
-    index = torch.tensor([ids[r] for r in requests])
-    accepted = torch.zeros(len(ids), ev.accepted.shape[1], dtype=ev.accepted.dtype)
-    anchors = torch.zeros(len(ids), dtype=ev.anchors.dtype)
-    return Evaluation(
-        ev.version,
-        ev.tau,
-        ev.speedup,
-        accepted.index_add_(0, index, ev.accepted),
-        anchors.index_add_(0, index, ev.anchors),
-    )
 
 
 def main(work: Path, workload: str = "default") -> None:
@@ -88,14 +79,12 @@ def main(work: Path, workload: str = "default") -> None:
                     continue
                 base = versions[baseline.rsplit(" v", 1)[1]]
                 when = datetime.strptime(tags["gate.time"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
-                seen = [(rid, ex) for rid, held_out, ex in records if ex.created_at <= when and held_out]
                 held = keep_recent(
-                    [ex for _, ex in seen],
+                    [ex for _, held_out, ex in records if ex.created_at <= when and held_out],
                     cfg.held_out_positions,
                     when - cfg.held_out_seconds,
                     cfg.min_positions,
                 )
-                requests = [rid for rid, _ in seen[len(seen) - len(held) :]]  # keep_recent keeps the newest
                 after = [
                     ex for rid, held_out, ex in records
                     if when < ex.created_at <= when + AFTER_SECONDS and (held_out or AGAIN not in rid)
@@ -105,13 +94,11 @@ def main(work: Path, workload: str = "default") -> None:
                 cand, old = gate.evaluate(v, held, profile), gate.evaluate(base, held, profile)
                 gamma = cand.best_gamma
                 gain, se = cand.gain_over(old, gamma)
-                se_requests = by_request(cand, requests).gain_over(by_request(old, requests), gamma)[1]
                 cand_after, old_after = gate.evaluate(v, after, profile), gate.evaluate(base, after, profile)
                 row = {
                     "version": v.version, "baseline": base.version, "decision": tags["gate.decision"],
-                    "reason": tags.get("gate.reason", ""), "held_out_examples": len(held), "gamma": gamma,
+                    "reason": tags.get("gate.reason", ""), "held_out_requests": len(held), "gamma": gamma,
                     "gain": round(gain, 4), "standard_error": round(se, 4), "z": round(gain / se, 2) if se else None,
-                    "requests": len(set(requests)), "z_requests": round(gain / se_requests, 2) if se_requests else None,
                     "after_examples": len(after), "after_tau": round(cand_after.tau[gamma - 1], 4),
                     "after_baseline_tau": round(old_after.tau[gamma - 1], 4),
                     "after_gain": round(cand_after.gain_over(old_after, gamma)[0], 4),

@@ -469,10 +469,11 @@ class OnlineTrainer:
         """Make the training so far durable, then commit the offsets it covers."""
         self._train([], force=True)  # records read but held back for the vocabulary are trained first
         # records of requests still being assembled are not covered: a resumed trainer reads them again
-        holding = self.requests.holding()
+        holding, held = self.requests.holding(), self.requests.keys()
         ledger = dataclasses.replace(
             self.ledger,
-            trained=self.ledger.trained - self.requests.keys(),
+            trained=self.ledger.trained - held,
+            records=self.ledger.records - len(held),
             offsets={w: min(o, holding.get(w, o)) for w, o in self.ledger.offsets.items()},
         )
         save_checkpoint(self.ckpt_dir, ledger, self.draft, self.trainer.opt, self.replay, self.held_out)
