@@ -3,8 +3,10 @@
 It never loads the target's decoder layers: the draft's inputs (aux states, final states) come in
 the records, and the labels are the final state times the target's LM head. Training starts from
 the workload's champion (or the bootstrap draft), refits the draft vocabulary to the workload's
-tokens, and mixes each batch of new records with a replay buffer of earlier ones so the draft does
-not forget; between new records it trains on the newest examples and the whole buffer, half each.
+tokens, and learns whole requests: each request's records are joined back first, because the draft
+serves with everything before a position in context. It mixes each new request with one from a
+replay buffer of earlier ones so the draft does not forget; between new requests it trains on the
+newest ones and the whole buffer, half each.
 Every record's training lands in a durable checkpoint before its offset is committed (see
 `checkpoint.py`). A held-out slice of the stream (by request id) measures the draft; a
 candidate is published when held-out τ improves, when the held-out set is mostly traffic the last
