@@ -57,6 +57,9 @@ def test_trainer_publishes_candidates_with_their_evidence(
     trainer.close()
     sink.close()
     assert ledger.trained == published and ledger.records == len(published) and ledger.redeliveries == 0
+    # learnt and judged as the 16 requests they are, not as the 48-position records they came in
+    requests = {key.rsplit(":", 1)[0] for key in published}
+    assert len(trainer.replay) + len(trainer.held_out) == len(requests) == 16 < len(published)
     assert ledger.candidates >= 1 and ledger.steps > 0
 
     client = MlflowClient(registry.url)

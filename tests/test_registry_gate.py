@@ -58,6 +58,7 @@ def test_gate_promotes_better_refuses_worse_and_broken(
     tags = _decide(gate, reg)
     assert tags["gate.decision"] == "promoted", tags["gate.reason"]
     assert tags["gate.baseline"] == "none" and float(tags["gate.score"]) >= 1.0
+    assert len(gate.held_out[reg.workload].examples) == 8  # requests, each joined from its records
     assert {f"gate.tau_gamma{g}" for g in range(1, 5)} <= tags.keys()
     assert {f"gate.speedup_gamma{g}" for g in range(1, 5)} <= tags.keys()
     assert reg.alias("champion") == str(weak.version)
