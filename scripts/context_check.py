@@ -17,27 +17,16 @@ from pathlib import Path
 
 import torch
 
+from tide.bench.records import as_records
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import load_target
-from tide.producers.records import HiddenStateRecord, decode, encode
+from tide.producers.records import decode, encode
 from tide.prompts import load_prompts, split
 from tide.serving.engine import DraftStats, Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 from tide.trainers.bootstrap import Recorder
 from tide.trainers.online import example_of
-from tide.trainers.ttt import Example, TrainConfig, evaluate
-
-
-def as_records(ex: Example, size: int, fingerprint: str) -> list[HiddenStateRecord]:
-    """A request cut as the publisher cuts it: `size` positions a record, overlapping by one token."""
-    n = len(ex.aux)
-    tokens = torch.cat([ex.tokens, ex.tokens[-1:]])  # the next token of the last state is not kept
-    prefill = torch.arange(n) <= ex.learn_from  # learn_from is the prompt's last position
-    return [
-        HiddenStateRecord(tokens[s : min(n, s + size) + 1], ex.aux[s : s + size], ex.hidden[s : s + size],
-                          prefill[s : s + size], fingerprint, "check", "check", "r", i, s, s + size >= n)
-        for i, s in enumerate(range(0, n, size))
-    ]  # fmt: skip
+from tide.trainers.ttt import TrainConfig, evaluate
 
 
 def main() -> None:
@@ -75,7 +64,7 @@ def main() -> None:
             pieces = [
                 example_of(decode(encode(r)), lm_head)
                 for e in examples
-                for r in as_records(e, size, target.fingerprint)
+                for r in as_records(e, target.fingerprint, size)
             ]
             scored = [p for p in pieces if p is not None]
             row[f"records_{size}"] = round(evaluate(judge, lm_head, scored, cfg).step_tau[args.gamma - 1], 3)

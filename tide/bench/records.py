@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.loader import Target, load_target
+from tide.producers.assembler import join
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.producers.records import CODECS, HiddenStateRecord, decode, encode
 from tide.prompts import Prompt, load_prompts, split
@@ -43,25 +44,26 @@ class RecordsBenchConfig:
     model: str | None = None
 
 
-def _records(ex: Example, fingerprint: str) -> list[HiddenStateRecord]:
-    """An example cut into records as the publisher cuts a request (the last token is not kept)."""
+def as_records(ex: Example, fingerprint: str, size: int = CHUNK) -> list[HiddenStateRecord]:
+    """An example cut into records as the publisher cuts a request, `size` positions each (the last
+    token is not kept); positions up to `learn_from` are the prompt's, as `example_of` reads them."""
     n = len(ex.aux)
     tokens = torch.cat([ex.tokens, ex.tokens[-1:]])
     return [
         HiddenStateRecord(
-            tokens=tokens[s : min(n, s + CHUNK) + 1],
-            aux=ex.aux[s : s + CHUNK],
-            hidden=ex.hidden[s : s + CHUNK],
-            prefill=torch.arange(s, min(n, s + CHUNK)) < ex.learn_from,
+            tokens=tokens[s : min(n, s + size) + 1],
+            aux=ex.aux[s : s + size],
+            hidden=ex.hidden[s : s + size],
+            prefill=torch.arange(s, min(n, s + size)) <= ex.learn_from,
             target_fingerprint=fingerprint,
             draft_version="bench",
             workload="bench",
             request_id="r",
             chunk=i,
             first_position=s,
-            last=s + CHUNK >= n,
+            last=s + size >= n,
         )
-        for i, s in enumerate(range(0, n, CHUNK))
+        for i, s in enumerate(range(0, n, size))
     ]
 
 
@@ -130,7 +132,7 @@ def run_records_bench(cfg: RecordsBenchConfig) -> dict[str, Any]:
     test_raw = examples[cut:]
 
     raw_bytes = sum(
-        len(encode(r, "bf16", zstd=False)) for e in examples for r in _records(e, target.fingerprint)
+        len(encode(r, "bf16", zstd=False)) for e in examples for r in as_records(e, target.fingerprint)
     )
     report: dict[str, Any] = {
         "prompts": len(examples),
@@ -145,16 +147,12 @@ def run_records_bench(cfg: RecordsBenchConfig) -> dict[str, Any]:
         size, decoded, errors, kls = 0, [], [], []
         for ex in examples:
             parts = []
-            for rec in _records(ex, target.fingerprint):
+            for rec in as_records(ex, target.fingerprint):
                 blob = encode(rec, codec)
                 size += len(blob)
                 parts.append(decode(blob, target.fingerprint))
-            dec = replace(
-                ex,
-                aux=torch.cat([p.aux for p in parts]),
-                hidden=torch.cat([p.hidden for p in parts]),
-            )
-            dec = Example.make(dec.tokens, dec.aux, dec.hidden, lm_head, ex.learn_from)
+            joined = join(parts)
+            dec = Example.make(ex.tokens, joined.aux, joined.hidden, lm_head, ex.learn_from)
             decoded.append(dec)
             errors.append(_rel_errors(ex, dec, d).flatten())
             kls.append(_kl(ex.hidden, dec.hidden, lm_head))
