@@ -8,7 +8,8 @@ times. Each step it picks the gamma that maximises the running batch's predicted
 when none beats plain decoding. One step in `explore_every` drafts one token more than chosen (while
 speculation is off, one token in `explore_off_every` steps, rarer still far from paying), so the
 estimates stay current: speculation comes back as soon as a draft pays, and a depth that looked bad
-once is tried again (a check while off counts for the steps it stands for). A new draft starts
+once is tried again (a check while off counts for the steps it stands for, but speculation comes
+back only when it pays on rates less a standard error of the checks they stand on). A new draft starts
 from what the gate measured of it on recent traffic; one swapped back in soon after it left takes
 up what was measured of it live.
 
@@ -58,6 +59,11 @@ class ControllerConfig:
     explore_far_every: int = 128  # while off and predicted below `far_below` even at gamma 1
     far_below: float = 0.9
     min_gain: float = 1.02  # speculate only above this predicted speedup
+    # while off, speculation comes back only if it pays on the rates less this many standard errors
+    # of what they stand on: a check stands for up to 32 steps, so a few lucky ones lifted French's
+    # first-depth rate on the code draft from 0.07 to 0.16-0.21 and turned gamma 1 on at a loss
+    # (ABA22: windows at 0.96-0.98x); a draft that pays again (0.6) is back after a few checks all the same
+    resume_doubt: float = 1.0
     # > 0: gamma is the longest chain, which stops early once the draft's probability of the chain so
     # far is below this in every row. Off: simulated with verify cost linear in its width it gained 6%
     # on code, but live on this CPU (verifying 2 tokens dearer than 3 to 6) it lost 6% at 0.1, and
@@ -81,6 +87,12 @@ def _ema_weight(horizon: float, n: int) -> float:
     return 1.0 - (1.0 - 1.0 / horizon) ** n
 
 
+def _evidence(before: float, weight: float, n: int) -> float:
+    """Observations a moving average stands on after n more enter it with `weight`: the mean of
+    that many has its variance (n / weight per update once steady; the plain count while it is a mean)."""
+    return 1.0 / ((1.0 - weight) ** 2 / before + weight**2 / n)
+
+
 @dataclass
 class Acceptance:
     """A workload's acceptance rate by draft depth, short and long averages."""
@@ -100,6 +112,10 @@ class Acceptance:
     known: int = field(init=False)  # depths with a rate of their own (observed or given)
     # steps (with what checks stand for) since it last shifted or paid: how long training was called for
     needed_for: int = field(init=False)
+    # observations each depth's short and long averages stand on, as a mean's variance goes: a
+    # check while off weighs like the steps it stands for, but it is one draw
+    evidence_short: list[float] = field(init=False)
+    evidence_long: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.reset()
@@ -120,6 +136,8 @@ class Acceptance:
         self.fresh = [PRIOR_WEIGHT if d < len(prior or []) else 0 for d in range(self.max_gamma)]
         self.shifted = self.moved = False
         self.needed_for = 0
+        self.evidence_short = [float(PRIOR_WEIGHT)] * self.max_gamma
+        self.evidence_long = [float(PRIOR_WEIGHT)] * self.max_gamma
 
     def update(
         self, accepted: list[int], gamma: int, short_h: float, long_h: float, recent_h: float, span: int = 1
@@ -141,9 +159,12 @@ class Acceptance:
             rate = sum(1 for a in accepted if a > d) / n
             # a mean with the prior until the horizon is reached: the prior must not linger in the long average
             first = n / (self.seen[d] + n + PRIOR_WEIGHT)
-            self.short[d] += max(first, _ema_weight(short_h, n * span)) * (rate - self.short[d])
-            self.long[d] += max(first, _ema_weight(long_h, n * span)) * (rate - self.long[d])
+            ws, wl = max(first, _ema_weight(short_h, n * span)), max(first, _ema_weight(long_h, n * span))
+            self.short[d] += ws * (rate - self.short[d])
+            self.long[d] += wl * (rate - self.long[d])
             self.recent[d] += max(first, _ema_weight(recent_h, n * span)) * (rate - self.recent[d])
+            self.evidence_short[d] = _evidence(self.evidence_short[d], ws, n)
+            self.evidence_long[d] = _evidence(self.evidence_long[d], wl, n)
             self.seen[d] += n
             self.fresh[d] += n
 
@@ -153,14 +174,18 @@ class Acceptance:
         self.short = [min(s, r) for s, r in zip(self.short, self.recent, strict=True)]
         self.fresh = [0] * self.max_gamma
 
-    def alphas(self, which: str = "short", current: bool = False) -> list[float]:
+    def alphas(self, which: str = "short", current: bool = False, doubt: float = 0.0) -> list[float]:
         """Per-depth rates; a depth never observed takes the last observed one's (rates decay with depth).
         `current`: what gamma is chosen on; a deeper depth's rate from before the last change is pulled
-        down to the depth above's, less so with each attempt observed since (PRIOR_WEIGHT: half way)."""
+        down to the depth above's, less so with each attempt observed since (PRIOR_WEIGHT: half way).
+        `doubt`: each rate less this many standard errors of the observations it stands on."""
         src = self.short if which == "short" else self.long
+        evidence = self.evidence_short if which == "short" else self.evidence_long
         out: list[float] = []
         for d in range(self.max_gamma):
             a = src[d] if d < self.known else out[-1]
+            if doubt and d < self.known:
+                a = max(0.0, a - doubt * (a * (1.0 - a) / evidence[d]) ** 0.5)
             if current and d > 0:
                 w = self.fresh[d] / (self.fresh[d] + PRIOR_WEIGHT)
                 a = w * a + (1.0 - w) * min(a, out[-1])
@@ -252,14 +277,14 @@ class Controller:
             acc = self.acceptance[workload] = Acceptance(self.cfg.max_gamma)
         return acc
 
-    def _taus(self, workloads: list[str]) -> list[float]:
+    def _taus(self, workloads: list[str], doubt: float = 0.0) -> list[float]:
         """The batch's mean tokens per step for gamma = 0..max_gamma (each distinct workload once)."""
         taus = [0.0] * (self.cfg.max_gamma + 1)
         for w, n in Counter(workloads).items():
             alive, tau = 1.0, 1.0
             taus[0] += n
             acc = self.tracker(w)
-            for g, a in enumerate(acc.alphas(acc.deciding(), current=True), start=1):
+            for g, a in enumerate(acc.alphas(acc.deciding(), current=True, doubt=doubt), start=1):
                 alive *= a
                 tau += alive
                 taus[g] += n * tau
@@ -276,7 +301,7 @@ class Controller:
         if not workloads:
             return Decision(0, 1.0)
         b = len(workloads)
-        taus = self._taus(workloads)
+        taus = self._taus(workloads, 0.0 if self.last.pays else self.cfg.resume_doubt)
         plain = self.costs.step_time(b, 0)
         speedups = [1.0] + [
             taus[g] * plain / self.costs.step_time(b, g) for g in range(1, self.cfg.max_gamma + 1)
