@@ -187,7 +187,9 @@ def drafted_after_lucky_checks(cfg: ControllerConfig, lucky: int) -> int:
     feed(c, "w", 3, 4, 2000)
     for i in range(3000):  # the traffic moved: off, checking
         d = c.choose(["w"])
-        c.observe(["w"], torch.tensor([min(d.gamma, int(i % 20 == 0))]), d.gamma, c.costs.step_time(1, d.gamma))
+        c.observe(
+            ["w"], torch.tensor([min(d.gamma, int(i % 20 == 0))]), d.gamma, c.costs.step_time(1, d.gamma)
+        )
     assert not c.pays("w")
     drafted = checks = 0
     for _ in range(3 * cfg.explore_off_every * lucky):
