@@ -1,19 +1,23 @@
 """The controller on real acceptance: a shift run's captured requests replayed through it.
 
-`python scripts/controller_trace_sim.py WORK_DIR CODE_DRAFT NEW_DRAFT [--requests workloads/chat_fr.jsonl]`
+`python scripts/controller_trace_sim.py WORK_DIR CODE_DRAFT NEW_DRAFT [--requests workloads/chat_fr.jsonl]
+[--configs 'resume_doubt=0;resume_doubt=1'] [--orders 8]`
 restarts the Kafka broker of a finished `tide bench shift --work-dir WORK_DIR` (as `replay_gate.py`
 does) and reads every captured request. For each completion position it computes how many of a
 draft's chained tokens the target would accept there (greedy: drafting gamma accepts the smaller of
 that and gamma), with the draft unrolled as in training, six deep, over the captured hidden states.
-Then it serves three stretches through `serving.controller.Controller`, each step taking its
-profiled time (`controller_shift_sim.PROFILE`): the earlier traffic's requests on CODE_DRAFT, the new
-traffic's (`--requests`) on CODE_DRAFT (the shift), and those of the new traffic's requests that
-NEW_DRAFT never learnt from (held out, or served after its file was written) on NEW_DRAFT, swapped in
-with the tau per step the first three of them measure (the gate's part). It prints per stretch the throughput over
-plain decoding of the controller and of each fixed gamma (with its tau per step: the tau over
-all positions printed first counts a long accepted run at every position it covers, while steps
-land after a rejection, on the harder ones), and for the controller the 10th
-percentile and median over stretches of 250 target steps (about a 30 s window of the shift bench's TIDE).
+Then it serves four stretches, one after another, through `serving.controller.Controller`, each
+step taking its profiled time (`controller_shift_sim.PROFILE`): the first half of the earlier
+traffic's requests on CODE_DRAFT, the new traffic's (`--requests`) on CODE_DRAFT (the shift), the
+other half of the earlier traffic's on CODE_DRAFT (it comes back while speculation is off), and those
+of the new traffic's requests that NEW_DRAFT never learnt from (held out, or served after its file was
+written) on NEW_DRAFT, swapped in with the tau per step the first three of them measure (the gate's
+part). It prints per stretch the throughput over plain decoding of each fixed gamma (with its tau per
+step: the tau over all positions printed first counts a long accepted run at every position it
+covers, while steps land after a rejection, on the harder ones), then for each controller setting
+(`--configs`) its throughput, the median and 10th percentile over stretches of 250 target steps
+(about a 30 s window of the shift bench's TIDE) and the mean of each stretch's first two. With
+`--orders N` each stretch is also served in N - 1 shuffled orders (seeded), and the windows pooled.
 Unlike `controller_shift_sim.py` the acceptance is the real one: bursty, request by request, and
 correlated across depths.
 """
@@ -21,6 +25,7 @@ correlated across depths.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 from collections import defaultdict
@@ -104,6 +109,14 @@ def main() -> None:
     ap.add_argument("--requests", default="workloads/chat_fr.jsonl")
     ap.add_argument("--workload", default="default")
     ap.add_argument("--gammas", default="1,2,3,4")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="controller settings to compare, ';' between alternatives: 'resume_doubt=0;resume_doubt=1'",
+    )
+    ap.add_argument(
+        "--orders", type=int, default=1, help="serve each stretch in this many orders (the first as captured)"
+    )
     args = ap.parse_args()
     if not (args.work / "kafka" / "ports.json").is_file():
         sys.exit(f"{args.work} is not the --work-dir of a finished `tide bench shift`")
@@ -134,38 +147,55 @@ def main() -> None:
         name: Eagle3Draft.load(path, head.embed, head.config, head.fingerprint, torch.float32)
         for name, path in (("code", args.code_draft), ("new", args.new_draft))
     }
+    half = len(old) // 2
     stretches = {
-        "earlier traffic, code draft": traces(drafts["code"], head, old),
+        "earlier traffic, code draft": traces(drafts["code"], head, old[:half]),
         "new traffic, code draft": traces(drafts["code"], head, new),
+        "earlier traffic again, code draft": traces(drafts["code"], head, old[half:]),
         "new traffic, new draft": traces(drafts["new"], head, unseen),
     }
     print(
         f"{len(old)} earlier requests, {len(new)} new ones ({len(unseen)} the new draft never learnt from); profile T(1) {PROFILE.target[1] * 1e3:.1f} ms"
     )
     for name, trace in stretches.items():
-        ms = [m for t in trace for m in t]
         print(
-            f"{name}: {len(ms)} positions, tau at gamma 1..4 over positions {[round(t, 3) for t in position_taus(trace)]}"
+            f"{name}: {sum(map(len, trace))} positions, tau at gamma 1..4 over positions {[round(t, 3) for t in position_taus(trace)]}"
         )
-    c = Controller(ControllerConfig(max_gamma=DEPTH), [PROFILE])
-    for name, trace in stretches.items():
-        if name == "new traffic, new draft":  # swapped in with what the gate measured on its first requests
-            c.draft_changed(["w"], step_taus(trace[:3]))
-        log: list[tuple[int, float]] = []
-        for t in trace:
-            serve(c, 0, t, log)
-        w = sorted(windows(log))
         fixed = {}
         for g in (int(x) for x in args.gammas.split(",")):
             flog: list[tuple[int, float]] = []
             for t in trace:
                 serve(None, g, t, flog)
             fixed[g] = (round(ratio(flog), 3), round(sum(t for t, _ in flog) / len(flog), 3))
-        p10 = w[len(w) // 10] if w else float("nan")
-        print(
-            f"{name:30s} controller {ratio(log):.3f} (windows: median {statistics.median(w):.3f}, "
-            f"p10 {p10:.3f}, n {len(w)})  fixed gamma: (throughput, tau per step) {fixed}"
-        )
+        print(f"  fixed gamma: (throughput, tau per step) {fixed}")
+    for option in args.configs.split(";"):
+        overrides = {k: float(v) for k, v in (kv.split("=") for kv in filter(None, option.split(",")))}
+        print(f"controller {overrides or 'as configured'}, {args.orders} request order(s):")
+        served: dict[str, list[float]] = defaultdict(list)
+        stretch_windows: dict[str, list[float]] = defaultdict(list)
+        opening: dict[str, list[float]] = defaultdict(list)
+        for order in range(args.orders):
+            rnd = random.Random(order)
+            c = Controller(ControllerConfig(**{"max_gamma": DEPTH, **overrides}), [PROFILE])
+            for name, trace in stretches.items():
+                trace = trace if order == 0 else rnd.sample(trace, len(trace))
+                if (
+                    name == "new traffic, new draft"
+                ):  # swapped in with what the gate measured on its first requests
+                    c.draft_changed(["w"], step_taus(trace[:3]))
+                log: list[tuple[int, float]] = []
+                for t in trace:
+                    serve(c, 0, t, log)
+                w = windows(log)
+                served[name].append(ratio(log))
+                stretch_windows[name] += w
+                opening[name] += w[:2]
+        for name in stretches:
+            w = sorted(stretch_windows[name])
+            print(
+                f"  {name:34s} {statistics.mean(served[name]):.3f} (windows: median {statistics.median(w):.3f}, "
+                f"p10 {w[len(w) // 10]:.3f}, n {len(w)}; first two {statistics.mean(opening[name]):.3f})"
+            )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -61,9 +61,10 @@ class ControllerConfig:
     min_gain: float = 1.02  # speculate only above this predicted speedup
     # while off, speculation comes back only if it pays on the rates less this many standard errors
     # of what they stand on: a check stands for up to 32 steps, so a few lucky ones lifted French's
-    # first-depth rate on the code draft from 0.07 to 0.16-0.21 and turned gamma 1 on at a loss
-    # (ABA22: windows at 0.96-0.98x); a draft that pays again (0.6) is back after a few checks all the same
-    resume_doubt: float = 1.0
+    # first-depth rate on the code draft from 0.05 to 0.16-0.21 and turned gamma 1 on at a loss
+    # (ABA22: windows at 0.96-0.98x). One standard error slowed a marginal new draft (1.2x) coming
+    # back after a hard request by 1% on ABA22's French (scripts/controller_trace_sim.py); half of one did not
+    resume_doubt: float = 0.5
     # > 0: gamma is the longest chain, which stops early once the draft's probability of the chain so
     # far is below this in every row. Off: simulated with verify cost linear in its width it gained 6%
     # on code, but live on this CPU (verifying 2 tokens dearer than 3 to 6) it lost 6% at 0.1, and
@@ -167,6 +168,14 @@ class Acceptance:
             self.evidence_long[d] = _evidence(self.evidence_long[d], wl, n)
             self.seen[d] += n
             self.fresh[d] += n
+
+    def adopt_short(self) -> None:
+        """The shift held: the traffic changed for good, and the long average starts again from the
+        short one. Else it would keep the old traffic's rates for thousands of steps (while off it
+        learns only from checks) and choose gamma on them once the detector lets go: ABA22 drafted
+        French at gamma 1 on a long first-depth rate of 0.19, left from code, against 0.05 measured."""
+        self.long = list(self.short)
+        self.evidence_long = list(self.evidence_short)
 
     def mark_shift(self) -> None:
         """The detector fired: the short average drops to the very short one, and the deeper
@@ -344,7 +353,7 @@ class Controller:
                 for w in workloads:
                     acc = self.tracker(w)
                     if acc.needed_for:
-                        acc.needed_for += 1
+                        self._needed(acc, 1, acc.shifted)
             return
         rows: dict[str, list[int]] = {}
         for w, n in zip(workloads, counts, strict=True):
@@ -363,7 +372,17 @@ class Controller:
                 # one workload in the batch: the step's own decision says whether its draft pays
                 pays = self.last.pays if len(rows) == 1 else self.best([w] * b).gamma > 0
                 needed = shifted or not pays
-                acc.needed_for = acc.needed_for + len(sub) * span if needed else 0
+                if needed:
+                    self._needed(acc, len(sub) * span, shifted)
+                else:
+                    acc.needed_for = 0
+
+    def _needed(self, acc: Acceptance, steps: int, shifted: bool) -> None:
+        """Training is called for `steps` more sequence-steps; a shift that held that long is for good."""
+        was = acc.needed_for
+        acc.needed_for += steps
+        if shifted and was < self.cfg.confirm_steps <= acc.needed_for:
+            acc.adopt_short()
 
     def draft_changed(
         self,
@@ -380,6 +399,8 @@ class Controller:
         prior = alphas_from_taus(expected) if expected else None
         now = time.monotonic()
         with self._lock:
+            # a new draft is judged afresh: what the gate measured of it is not a few checks' worth
+            self.last = replace(self.last, pays=True)
             for w in workloads:
                 if replaced is not None and w in self.acceptance:
                     self.swapped_out[(w, replaced)] = (self.acceptance[w], now)

@@ -206,7 +206,20 @@ def test_a_few_lucky_checks_while_off_do_not_turn_speculation_on() -> None:
     # lifted the first-depth rate from about 0.05 to 0.26 and turned speculation on for traffic it
     # does not pay on (two in a row, at one chance in 400, do turn it on)
     assert drafted_after_lucky_checks(ControllerConfig(max_gamma=4, resume_doubt=0.0), 1) > 0
-    assert drafted_after_lucky_checks(ControllerConfig(max_gamma=4), 1) == 0
+    assert drafted_after_lucky_checks(ControllerConfig(max_gamma=4, resume_doubt=1.0), 1) == 0
+
+
+def test_a_shift_that_holds_resets_the_long_average() -> None:
+    # off after a shift, the long average would learn the new rate from checks alone, a few
+    # percent each: it kept code's rates for minutes and chose gamma on them once the detector let go
+    c = Controller(ControllerConfig(max_gamma=4), [CPU])
+    feed(c, "w", 3, 4, 2000)
+    assert c.tracker("w").long[0] > 0.9
+    for _ in range(600):
+        d = c.choose(["w"])
+        c.observe(["w"], torch.tensor([0]), d.gamma, c.costs.step_time(1, d.gamma))
+    acc = c.tracker("w")
+    assert c.needs_training("w") and acc.long[0] < 0.2 and not c.pays("w")
 
 
 def test_step_times_are_corrected_by_measurements() -> None:
