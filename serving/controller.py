@@ -187,9 +187,12 @@ class Acceptance:
         """Per-depth rates; a depth never observed takes the last observed one's (rates decay with depth).
         `current`: what gamma is chosen on; a deeper depth's rate from before the last change is pulled
         down to the depth above's, less so with each attempt observed since (PRIOR_WEIGHT: half way).
+        `which`: "short", "long", or "rose" (each depth's short rate, at most its very short one).
         `doubt`: each rate less this many standard errors of the observations it stands on."""
-        src = self.short if which == "short" else self.long
-        evidence = self.evidence_short if which == "short" else self.evidence_long
+        src = self.long if which == "long" else self.short
+        if which == "rose":
+            src = [min(s, r) for s, r in zip(self.short, self.recent, strict=True)]
+        evidence = self.evidence_long if which == "long" else self.evidence_short
         out: list[float] = []
         for d in range(self.max_gamma):
             a = src[d] if d < self.known else out[-1]
@@ -202,8 +205,11 @@ class Acceptance:
         return out
 
     def deciding(self) -> str:
-        """The average gamma is chosen from."""
-        return "short" if self.moved else "long"
+        """The average gamma is chosen from: the long one, or the short one while they disagree by
+        a shift's margin. While the short one stands above ("rose": a draft that fits came back, or
+        a lucky stretch), no more than the very short one either: ABA23 turned French on at gamma 1
+        on a short first-depth rate of 0.21 and drafted 89% of a window at 0.95x while it fell."""
+        return "long" if not self.moved else "short" if self.shifted else "rose"
 
     def tau(self, gamma: int, which: str = "short") -> float:
         tau, alive = 1.0, 1.0

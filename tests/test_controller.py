@@ -109,9 +109,9 @@ def test_gamma_rides_out_a_harder_request_and_follows_a_shift() -> None:
     assert c.best(["w"]).gamma == 6
     feed(c, "w", 1, 6, 100)  # a request where only the first draft lands: not a shift
     assert not c.shifted("w") and c.best(["w"]).gamma == 6
-    c.tracker("w").moved = True
+    c.tracker("w").moved = c.tracker("w").shifted = True
     assert c.best(["w"]).gamma == 2  # what the short average alone would have chosen
-    c.tracker("w").moved = False
+    c.tracker("w").moved = c.tracker("w").shifted = False
     feed(c, "w", 0, 6, 30)  # the draft misses everything: the traffic changed, gamma follows at once
     assert c.shifted("w") and c.best(["w"]).gamma == 1
 
