@@ -9,7 +9,7 @@ when none beats plain decoding. One step in `explore_every` drafts one token mor
 speculation is off, one token in `explore_off_every` steps, rarer still far from paying), so the
 estimates stay current: speculation comes back as soon as a draft pays, and a depth that looked bad
 once is tried again (a check while off counts for the steps it stands for, but speculation comes
-back only when it pays on rates less a standard error of the checks they stand on). A new draft starts
+back only when it pays on rates less half a standard error of the checks they stand on). A new draft starts
 from what the gate measured of it on recent traffic; one swapped back in soon after it left takes
 up what was measured of it live.
 
@@ -18,9 +18,11 @@ average mostly chases that noise (on code it drafted one token a third of the ti
 slower than a fixed gamma of 3). The short average falling well below the long one is the paper's
 shift detector: the workload's traffic changed under its draft, the short average drops to a very
 short one, and gamma follows it at once; so it does while the short one stands well above the long
-one (a draft that fits came back). When the detector, or the workload's draft not paying, has held
-for `confirm_steps` (hard stretches of traffic fire the detector too, for up to a few requests), the
-`capture.TrainingAdvisor` turns capture (and so training) on.
+one (a draft that fits came back, or a lucky stretch: then each rate is at most the very short
+one's, so a stretch that ended is followed at once too). When the detector, or the workload's draft
+not paying, has held for `confirm_steps` (hard stretches of traffic fire the detector too, for up to
+a few requests), the `capture.TrainingAdvisor` turns capture (and so training) on; a shift that held
+that long is for good, and the long average starts again from the short one.
 """
 
 from __future__ import annotations
