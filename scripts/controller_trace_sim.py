@@ -118,6 +118,16 @@ def main() -> None:
         "--orders", type=int, default=1, help="serve each stretch in this many orders (the first as captured)"
     )
     args = ap.parse_args()
+    settings: list[dict[str, float]] = []  # checked before minutes of reading and tracing
+    for option in args.configs.split(";"):
+        pairs = [kv.split("=") for kv in filter(None, option.split(","))]
+        if any(len(kv) != 2 for kv in pairs):
+            ap.error(f"--configs: {option!r} is not key=value[,key=value]")
+        try:
+            settings.append({k: float(v) for k, v in pairs})
+            ControllerConfig(**settings[-1])
+        except (ValueError, TypeError) as e:
+            ap.error(f"--configs: {option!r}: {e}")
     if not (args.work / "kafka" / "ports.json").is_file():
         sys.exit(f"{args.work} is not the --work-dir of a finished `tide bench shift`")
     head = load_head()
@@ -168,8 +178,7 @@ def main() -> None:
                 serve(None, g, t, flog)
             fixed[g] = (round(ratio(flog), 3), round(sum(t for t, _ in flog) / len(flog), 3))
         print(f"  fixed gamma: (throughput, tau per step) {fixed}")
-    for option in args.configs.split(";"):
-        overrides = {k: float(v) for k, v in (kv.split("=") for kv in filter(None, option.split(",")))}
+    for overrides in settings:
         print(f"controller {overrides or 'as configured'}, {args.orders} request order(s):")
         served: dict[str, list[float]] = defaultdict(list)
         stretch_windows: dict[str, list[float]] = defaultdict(list)
@@ -179,9 +188,8 @@ def main() -> None:
             c = Controller(ControllerConfig(**{"max_gamma": DEPTH, **overrides}), [PROFILE])
             for name, trace in stretches.items():
                 trace = trace if order == 0 else rnd.sample(trace, len(trace))
-                if (
-                    name == "new traffic, new draft"
-                ):  # swapped in with what the gate measured on its first requests
+                # the new draft is swapped in with what the gate measured on its first requests
+                if name == "new traffic, new draft":
                     c.draft_changed(["w"], step_taus(trace[:3]))
                 log: list[tuple[int, float]] = []
                 for t in trace:

@@ -64,8 +64,9 @@ class ControllerConfig:
     # while off, speculation comes back only if it pays on the rates less this many standard errors
     # of what they stand on: a check stands for up to 32 steps, so a few lucky ones lifted French's
     # first-depth rate on the code draft from 0.05 to 0.16-0.21 and turned gamma 1 on at a loss
-    # (ABA22: windows at 0.96-0.98x). One standard error slowed a marginal new draft (1.2x) coming
-    # back after a hard request by 1% on ABA22's French (scripts/controller_trace_sim.py); half of one did not
+    # (ABA22: windows at 0.96-0.98x). Replayed on ABA22's requests (scripts/controller_trace_sim.py)
+    # half of one changed nothing measurable next to the rise rule (`deciding`), and a whole one cost
+    # code coming back on its draft 1.3% (1.708x against 1.731x)
     resume_doubt: float = 0.5
     # > 0: gamma is the longest chain, which stops early once the draft's probability of the chain so
     # far is below this in every row. Off: simulated with verify cost linear in its width it gained 6%

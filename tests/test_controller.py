@@ -206,7 +206,7 @@ def test_a_few_lucky_checks_while_off_do_not_turn_speculation_on() -> None:
     # lifted the first-depth rate from about 0.05 to 0.26 and turned speculation on for traffic it
     # does not pay on (two in a row, at one chance in 400, do turn it on)
     assert drafted_after_lucky_checks(ControllerConfig(max_gamma=4, resume_doubt=0.0), 1) > 0
-    assert drafted_after_lucky_checks(ControllerConfig(max_gamma=4, resume_doubt=1.0), 1) == 0
+    assert drafted_after_lucky_checks(ControllerConfig(max_gamma=4), 1) == 0
 
 
 def test_a_shift_that_holds_resets_the_long_average() -> None:
