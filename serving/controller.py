@@ -19,10 +19,12 @@ slower than a fixed gamma of 3). The short average falling well below the long o
 shift detector: the workload's traffic changed under its draft, the short average drops to a very
 short one, and gamma follows it at once; so it does while the short one stands well above the long
 one (a draft that fits came back, or a lucky stretch: then each rate is at most the very short
-one's, so a stretch that ended is followed at once too). When the detector, or the workload's draft
-not paying, has held for `confirm_steps` (hard stretches of traffic fire the detector too, for up to
-a few requests), the `capture.TrainingAdvisor` turns capture (and so training) on; a shift that held
-that long is for good, and the long average starts again from the short one.
+one's, so a stretch that ended is followed at once too), and while the very short one stands far
+below whichever decides (a collapse: the detector needs about 50 steps to see one). When the
+detector, or the workload's draft not paying, has held for `confirm_steps` (hard stretches of
+traffic fire the detector too, for up to a few requests), the `capture.TrainingAdvisor` turns
+capture (and so training) on; a shift that held that long is for good, and the long average starts
+again from the short one.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from tide.serving.cost_model import StepProfile, measure_profile
 PRIOR_ALPHA = 0.5  # before any observation: optimistic enough that a new draft gets tried
 # the prior counts as this many observations: one unlucky first step must not shut a depth off for good
 PRIOR_WEIGHT = 8
+FALL_MIN_SEEN = 16  # first-depth attempts before the very short average may say acceptance collapsed
 
 
 @dataclass
@@ -75,6 +78,11 @@ class ControllerConfig:
     # (scripts/gamma_ab.py --stops 0.1,0)
     stop_below: float = 0.0
     shift_drop: float = 0.3  # short tau - 1 this far below long tau - 1: the workload shifted
+    # very short tau - 1 below this share of the deciding average's: the acceptance collapsed (a
+    # shift, or a hard request after an easy one), and each depth's rate is at most its very short
+    # one's until it recovers. The detector needs about 50 steps, drafting 4-6 deep at a first-depth
+    # rate of 0.03 meanwhile: ABA24's shift window ran at 0.947x, and a new French draft's at 0.934x
+    fall_drop: float = 0.5
     cost_horizon: float = 32.0  # steps averaged into the measured/predicted step-time ratio
     # a draft swapped out this recently and back in (a rollback, a quick recall) takes up what was
     # measured of it live: more current, and from far more positions, than the gate's measurement
@@ -190,10 +198,11 @@ class Acceptance:
         """Per-depth rates; a depth never observed takes the last observed one's (rates decay with depth).
         `current`: what gamma is chosen on; a deeper depth's rate from before the last change is pulled
         down to the depth above's, less so with each attempt observed since (PRIOR_WEIGHT: half way).
-        `which`: "short", "long", or "rose" (each depth's short rate, at most its very short one).
+        `which`: "short", "long", "recent" (the very short one), or "rose" and "fell" (each
+        depth's short rate, at most its very short one).
         `doubt`: each rate less this many standard errors of the observations it stands on."""
-        src = self.long if which == "long" else self.short
-        if which == "rose":
+        src = self.long if which == "long" else self.recent if which == "recent" else self.short
+        if which in ("rose", "fell"):
             src = [min(s, r) for s, r in zip(self.short, self.recent, strict=True)]
         evidence = self.evidence_long if which == "long" else self.evidence_short
         out: list[float] = []
@@ -207,12 +216,18 @@ class Acceptance:
             out.append(a)
         return out
 
-    def deciding(self) -> str:
+    def deciding(self, fall: float = 0.0) -> str:
         """The average gamma is chosen from: the long one, or the short one while they disagree by
         a shift's margin. While the short one stands above ("rose": a draft that fits came back, or
         a lucky stretch), no more than the very short one either: ABA23 turned French on at gamma 1
-        on a short first-depth rate of 0.21 and drafted 89% of a window at 0.95x while it fell."""
-        return "long" if not self.moved else "short" if self.shifted else "rose"
+        on a short first-depth rate of 0.21 and drafted 89% of a window at 0.95x while it fell.
+        So too ("fell") while the very short one's tau - 1 is below `fall` of the chosen one's."""
+        which = "long" if not self.moved else "short" if self.shifted else "rose"
+        if fall and which != "rose" and self.seen[0] >= FALL_MIN_SEEN:
+            g = self.max_gamma
+            if self.tau(g, "recent") - 1 < fall * (self.tau(g, which) - 1):
+                return "fell"
+        return which
 
     def tau(self, gamma: int, which: str = "short") -> float:
         tau, alive = 1.0, 1.0
@@ -302,7 +317,8 @@ class Controller:
             alive, tau = 1.0, 1.0
             taus[0] += n
             acc = self.tracker(w)
-            for g, a in enumerate(acc.alphas(acc.deciding(), current=True, doubt=doubt), start=1):
+            rates = acc.alphas(acc.deciding(self.cfg.fall_drop), current=True, doubt=doubt)
+            for g, a in enumerate(rates, start=1):
                 alive *= a
                 tau += alive
                 taus[g] += n * tau
@@ -455,7 +471,7 @@ class Controller:
                     "alpha_short": [round(a, 4) for a in acc.alphas("short")],
                     "alpha_long": [round(a, 4) for a in acc.alphas("long")],
                     "tau_short": round(acc.tau(self.best([w] * self.batch_size).gamma or 1, "short"), 4),
-                    "deciding": acc.deciding(),
+                    "deciding": acc.deciding(self.cfg.fall_drop),
                     "gamma": self.best([w] * self.batch_size).gamma,
                     "speculation": self.pays(w),
                     "shifted": self.shifted(w),

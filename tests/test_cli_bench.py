@@ -108,4 +108,4 @@ def test_bench_shift_report(trained_draft_dir: Path, tmp_path: Path) -> None:
     assert all(0 <= w["tide_drafted_share"] <= 1 for w in r["windows"])
     # gamma auto: each drafted step proposed 1..6 tokens (None: a window where TIDE never drafted)
     assert all(w["tide_mean_gamma"] is None or 1 <= w["tide_mean_gamma"] <= 6 for w in r["windows"])
-    assert all(w["tide_controller"]["deciding"] in ("short", "long", "rose") for w in r["windows"])
+    assert all(w["tide_controller"]["deciding"] in ("short", "long", "rose", "fell") for w in r["windows"])
