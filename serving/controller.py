@@ -83,6 +83,10 @@ class ControllerConfig:
     # one's until it recovers. The detector needs about 50 steps, drafting 4-6 deep at a first-depth
     # rate of 0.03 meanwhile: ABA24's shift window ran at 0.947x, and a new French draft's at 0.934x
     fall_drop: float = 0.5
+    # and its first-depth rate this many standard errors (of the very short average, at the deciding
+    # rate) below the deciding one: at a first-depth rate of 0.3, noise alone fell below half often
+    # enough to turn a marginal draft off for a hundred steps at a time (one check in 32 brings it back)
+    fall_z: float = 3.0
     cost_horizon: float = 32.0  # steps averaged into the measured/predicted step-time ratio
     # a draft swapped out this recently and back in (a rollback, a quick recall) takes up what was
     # measured of it live: more current, and from far more positions, than the gate's measurement
@@ -216,17 +220,23 @@ class Acceptance:
             out.append(a)
         return out
 
-    def deciding(self, fall: float = 0.0) -> str:
+    def deciding(self, cfg: ControllerConfig | None = None) -> str:
         """The average gamma is chosen from: the long one, or the short one while they disagree by
         a shift's margin. While the short one stands above ("rose": a draft that fits came back, or
         a lucky stretch), no more than the very short one either: ABA23 turned French on at gamma 1
         on a short first-depth rate of 0.21 and drafted 89% of a window at 0.95x while it fell.
-        So too ("fell") while the very short one's tau - 1 is below `fall` of the chosen one's."""
+        So too ("fell", given `cfg`) while the very short one's tau - 1 is below `cfg.fall_drop` of
+        the chosen one's, and its first-depth rate below the chosen one's by more than its noise."""
         which = "long" if not self.moved else "short" if self.shifted else "rose"
-        if fall and which != "rose" and self.seen[0] >= FALL_MIN_SEEN:
-            g = self.max_gamma
-            if self.tau(g, "recent") - 1 < fall * (self.tau(g, which) - 1):
-                return "fell"
+        if cfg is None or not cfg.fall_drop or which == "rose" or self.seen[0] < FALL_MIN_SEEN:
+            return which
+        a = self.alphas(which)[0]
+        noise = cfg.fall_z * (a * (1.0 - a) / (2.0 * cfg.recent_steps - 1.0)) ** 0.5  # an EMA's variance
+        g = self.max_gamma
+        if self.recent[0] < a - noise and self.tau(g, "recent") - 1 < cfg.fall_drop * (
+            self.tau(g, which) - 1
+        ):
+            return "fell"
         return which
 
     def tau(self, gamma: int, which: str = "short") -> float:
@@ -317,7 +327,7 @@ class Controller:
             alive, tau = 1.0, 1.0
             taus[0] += n
             acc = self.tracker(w)
-            rates = acc.alphas(acc.deciding(self.cfg.fall_drop), current=True, doubt=doubt)
+            rates = acc.alphas(acc.deciding(self.cfg), current=True, doubt=doubt)
             for g, a in enumerate(rates, start=1):
                 alive *= a
                 tau += alive
@@ -471,7 +481,7 @@ class Controller:
                     "alpha_short": [round(a, 4) for a in acc.alphas("short")],
                     "alpha_long": [round(a, 4) for a in acc.alphas("long")],
                     "tau_short": round(acc.tau(self.best([w] * self.batch_size).gamma or 1, "short"), 4),
-                    "deciding": acc.deciding(self.cfg.fall_drop),
+                    "deciding": acc.deciding(self.cfg),
                     "gamma": self.best([w] * self.batch_size).gamma,
                     "speculation": self.pays(w),
                     "shifted": self.shifted(w),

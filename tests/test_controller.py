@@ -109,10 +109,10 @@ def test_gamma_rides_out_a_harder_request_and_follows_a_shift() -> None:
     assert c.best(["w"]).gamma == 6
     for i in range(100):  # a harder request, where no chain gets past the fourth token
         c.observe(["w"], torch.tensor([(0, 2, 3)[i % 3]]), 6, c.costs.step_time(1, 6))
-    assert not c.shifted("w") and c.tracker("w").deciding(c.cfg.fall_drop) == "long"
+    assert not c.shifted("w") and c.tracker("w").deciding(c.cfg) == "long"
     assert c.best(["w"]).gamma == 6
     feed(c, "w", 0, 6, 20)  # the draft misses everything: gamma follows within a few steps
-    assert c.tracker("w").deciding(c.cfg.fall_drop) == "fell" and c.best(["w"]).gamma <= 2
+    assert c.tracker("w").deciding(c.cfg) == "fell" and c.best(["w"]).gamma <= 2
     feed(c, "w", 0, 6, 60)  # and the detector says the traffic changed
     assert c.shifted("w") and c.best(["w"]).gamma <= 1
 
@@ -125,11 +125,11 @@ def test_gamma_follows_a_collapse_within_a_few_steps_and_comes_back() -> None:
         c.observe(["w"], torch.tensor([(0, 2, 6)[i % 3]]), 6, c.costs.step_time(1, 6))
     feed(c, "w", 0, 6, 12)
     acc = c.tracker("w")
-    assert not acc.shifted and acc.deciding(c.cfg.fall_drop) == "fell" and c.best(["w"]).gamma <= 2
+    assert not acc.shifted and acc.deciding(c.cfg) == "fell" and c.best(["w"]).gamma <= 2
     assert acc.deciding() == "long"  # without the rule: still six deep
     for i in range(30):  # the next request is as before
         c.observe(["w"], torch.tensor([(0, 2, 6)[i % 3]]), 6, c.costs.step_time(1, 6))
-    assert acc.deciding(c.cfg.fall_drop) == "long" and c.best(["w"]).gamma == 6
+    assert acc.deciding(c.cfg) == "long" and c.best(["w"]).gamma == 6
 
 
 def test_after_a_shift_deeper_depths_count_only_once_observed_again() -> None:
