@@ -92,9 +92,12 @@ def measure_profile(
     repeats: int = 9,
 ) -> StepProfile:
     """Time target forwards of 1..max_tokens tokens per sequence and one draft step, at `context`
-    positions: the median of `repeats` rounds, each timing every one of them once. A burst of
-    contention (a process starting beside the node) then slows every size alike instead of a few,
-    and the ratios between them, which decide whether speculation pays, stay right. The draft is
+    positions, in `repeats` rounds that each time every one of them once. What decides whether
+    speculation pays is each time's ratio to a one-token step, so each is the median over rounds of
+    its ratio to its own round's one-token step, times the median one-token step: contention that
+    slows a whole round then cancels, and a burst within one counts as one bad draw (per-size
+    medians of three rounds measured verifying 2 tokens at batch 4 at 1.12 and at 1.36 of one
+    token on the same idle machine, which turned a code draft off in a test). The draft is
     timed as the engine runs it, right after a target forward: one step, and a chain of
     max_tokens - 1 steps (the steps after the first find its weights in cache)."""
     cap = context + max_tokens + 2
@@ -123,7 +126,11 @@ def measure_profile(
             t = time.perf_counter()
             run()
             times[k].append(time.perf_counter() - t)
-    median = {k: statistics.median(v) for k, v in times.items()}
+    one = statistics.median(times["1"])
+    median = {
+        k: one * statistics.median(t / u for t, u in zip(v, times["1"], strict=True))
+        for k, v in times.items()
+    }
     target = {n: median[str(n)] for n in range(1, max_tokens + 1)}
     if draft is None:
         return StepProfile(batch_size, target, 0.0)

@@ -617,7 +617,9 @@ def bench_shift(
     max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
     model: str | None = typer.Option(None, "--model"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
-    work_dir: Path | None = typer.Option(None, "--work-dir", help="broker, registry, trainer state"),
+    work_dir: Path | None = typer.Option(
+        None, "--work-dir", help="keep broker, registry, trainer state here (default: removed after the run)"
+    ),
     out: Path = typer.Option(Path("out/bench_shift.json"), "--out"),
     plot: Path | None = typer.Option(None, "--plot", help="PNG: throughput ratio and acceptance over time"),
     verbose: bool = typer.Option(False, "--verbose"),

@@ -61,7 +61,9 @@ class ShiftBenchConfig:
     static_gamma: int = 3
     model: str | None = None
     dtype: torch.dtype = field(default_factory=native_dtype)  # the target's
-    work_dir: Path | None = None  # broker, registry and trainer state (default: a temporary folder)
+    # broker, registry and trainer state, kept for the replay scripts; default: a temporary folder,
+    # removed after the run (an hour's captured hidden states run to gigabytes)
+    work_dir: Path | None = None
     end_seconds: float = 120.0  # "by the end of a phase": its last this many seconds
 
 
@@ -150,10 +152,16 @@ def _pin(cores: set[int]) -> None:
 
 
 def run_shift_bench(cfg: ShiftBenchConfig) -> dict[str, Any]:
+    if cfg.work_dir is None:
+        with tempfile.TemporaryDirectory(prefix="tide-shift-") as tmp:
+            return _serve_shift(cfg, Path(tmp))
+    return _serve_shift(cfg, cfg.work_dir)
+
+
+def _serve_shift(cfg: ShiftBenchConfig, work: Path) -> dict[str, Any]:
     ncpu = os.cpu_count() or 1
     serving_cores = set(range(max(1, ncpu - 1)))
     training_cores = {ncpu - 1}
-    work = cfg.work_dir or Path(tempfile.mkdtemp(prefix="tide-shift-"))
     # the broker and the registry live on the training side (they inherit the affinity they start
     # with): what they do for TIDE's capture must not land on the cores the three systems share
     _pin(training_cores)
