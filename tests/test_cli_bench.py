@@ -43,6 +43,7 @@ def test_bench_spec_report(trained_draft_dir: Path, tmp_path: Path) -> None:
     )
     assert len(r["divergence_top2_logit_gaps"]) == round((1 - r["greedy_match_rate"]) * r["prompts"])
     assert r["predicted_speedup"] > 0 and 0 <= r["tap_overhead"] < 1
+    assert r["adaptive_speedup"] > 0 and 0 < r["adaptive"]["drafted_share"] <= 1
 
 
 def test_bench_records_report(tmp_path: Path) -> None:

@@ -582,7 +582,7 @@ def bench_spec(
         True, "--llama-cpp/--no-llama-cpp", help="also time llama.cpp when installed"
     ),
 ) -> None:
-    """Speculation off and on (and with a no-op tap), interleaved in one process."""
+    """Speculation off, on at a fixed gamma (also with a no-op tap) and adaptive, interleaved in one process."""
     from tide.bench.spec import SpecBenchConfig, plot_spec_report, run_spec_bench
 
     cfg = SpecBenchConfig(
@@ -592,7 +592,8 @@ def bench_spec(
         report = run_spec_bench(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    summary = {k: report[k] for k in ("speedup", "predicted_speedup", "greedy_match_rate", "tap_overhead")}
+    keys = ("speedup", "adaptive_speedup", "predicted_speedup", "greedy_match_rate", "tap_overhead")
+    summary = {k: report[k] for k in keys}
     summary["baseline_tps"] = report["baseline"]["tokens_per_s"]
     summary["speculative_tps"] = report["speculative"]["tokens_per_s"]
     typer.echo(json.dumps(summary, indent=2))

@@ -1,5 +1,9 @@
 """`tide bench spec`: the same prompts with speculation off and on, interleaved in one process.
 
+Besides a fixed gamma, TIDE's controller serves them too (`adaptive`: it chooses gamma at every step,
+0 where the draft does not pay): on prompts the draft does not fit, its ratio to no speculation is
+what speculation that is off costs (its checks, the controller's own work).
+
 Modes run group by group (a group = two batches' worth of prompts), in a rotating order, so a noisy
 neighbour on a shared machine slows every mode alike. Speed is reported as tokens/s per mode and
 as ratios; the cost model's prediction is computed from step times measured in the same process.
@@ -20,6 +24,7 @@ from tide.config import native_dtype
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.prompts import load_prompts, split
+from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.cost_model import measure_profile
 from tide.serving.engine import DraftStats, Engine, EngineConfig, StepTiming, TapEvent
 from tide.serving.sampling import SamplingParams
@@ -87,6 +92,14 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         ),
         "speculative": Engine(target, draft, ecfg),
         "speculative_tap": Engine(target, draft, ecfg, tap=_noop_tap),
+        "adaptive": Engine(
+            target,
+            draft,
+            EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=0, max_gamma=6),
+            controller=build_controller(
+                target.model, draft, ControllerConfig(max_gamma=6), cfg.batch_size, (1, cfg.batch_size)
+            ),
+        ),
     }
     llama = _llama_cpp(target.path, max_len) if cfg.llama_cpp and target.path.suffix == ".gguf" else None
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, ignore_eos=False)
@@ -107,7 +120,9 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
     if llama is not None:
         results["llama_cpp"] = ModeResult()
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    decoded = dict.fromkeys(engines, 0)  # sequence-steps after prefill, drafted or not
     group_speedups: list[float] = []
+    adaptive_speedups: list[float] = []
     modes = list(results)
     for gi, group in enumerate(tqdm(groups, desc="bench spec", unit="batch")):
         per_group: dict[str, ModeResult] = {}
@@ -124,9 +139,11 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
                 seqs = engines[name].generate(group, params)
                 per_group[name] = ModeResult(sum(len(s.output) for s in seqs), time.perf_counter() - start)
                 outputs[name] += [s.output for s in seqs]
+                decoded[name] += sum(s.steps for s in seqs)
             results[name].tokens += per_group[name].tokens
             results[name].seconds += per_group[name].seconds
         group_speedups.append(per_group["speculative"].tokens_per_s / per_group["baseline"].tokens_per_s)
+        adaptive_speedups.append(per_group["adaptive"].tokens_per_s / per_group["baseline"].tokens_per_s)
 
     base_out, spec_out = outputs["baseline"], outputs["speculative"]
     matches = [a == b for a, b in zip(base_out, spec_out, strict=True)]
@@ -147,6 +164,7 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
     profile.draft_total = spec.timing.propose
     base_tps = results["baseline"].tokens_per_s
     tapped = engines["speculative_tap"]
+    adaptive = engines["adaptive"]
     report: dict[str, Any] = {
         "dtype": str(cfg.dtype).replace("torch.", ""),
         "batch_size": cfg.batch_size,
@@ -169,6 +187,18 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         },
         "speedup": results["speculative"].tokens_per_s / base_tps,
         "speedup_median_over_groups": statistics.median(group_speedups),
+        "adaptive": {
+            "tokens_per_s": results["adaptive"].tokens_per_s,
+            "tokens": results["adaptive"].tokens,
+            "seconds": results["adaptive"].seconds,
+            # sequence-steps that drafted (the controller's choice, or a check while it is off)
+            "drafted_share": adaptive.stats.steps / decoded["adaptive"] if decoded["adaptive"] else 0.0,
+            "mean_accept_length": adaptive.stats.mean_accept_length,
+            "accept_rate_by_depth": adaptive.stats.rates(),
+            "engine_step_s": adaptive.timing.step,
+        },
+        "adaptive_speedup": results["adaptive"].tokens_per_s / base_tps,
+        "adaptive_speedup_median_over_groups": statistics.median(adaptive_speedups),
         "predicted_speedup": profile.speedup(alphas, cfg.gamma),
         "predicted_speedup_isolated": isolated,
         "step_profile": {
@@ -206,16 +236,17 @@ def plot_spec_report(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    names = ["no speculation", "TIDE speculative"]
-    values = [report["baseline"]["tokens_per_s"], report["speculative"]["tokens_per_s"]]
+    names = ["no speculation", f"gamma {report['gamma']}", "adaptive"]
+    values = [r["tokens_per_s"] for r in (report["baseline"], report["speculative"], report["adaptive"])]
     if "llama_cpp" in report:
         names.append("llama.cpp")
         values.append(report["llama_cpp"]["tokens_per_s"])
-    bars = ax1.bar(names, values, color=["#888", "#2a7", "#47a"][: len(names)])
+    bars = ax1.bar(names, values, color=["#888", "#2a7", "#a72", "#47a"][: len(names)])
     ax1.bar_label(bars, fmt="%.0f")
     ax1.set_ylabel("tokens/s")
     ax1.set_title(
-        f"batch {report['batch_size']}, {report['dtype']}, gamma {report['gamma']}: {report['speedup']:.2f}x"
+        f"batch {report['batch_size']}, {report['dtype']}: {report['speedup']:.2f}x, "
+        f"adaptive {report['adaptive_speedup']:.2f}x"
     )
     rates = report["speculative"]["accept_rate_by_depth"]
     ax2.bar([str(i + 1) for i in range(len(rates))], rates, color="#2a7")
