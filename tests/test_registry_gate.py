@@ -35,7 +35,7 @@ def gate_setup(
         target_native.model.dtype,
     )  # fmt: skip
     # step times as a serving node publishes them: the gate scores by the cost model's speedup
-    profile = measure_profile(target_native.model, draft, 1, 256, 5, repeats=3)
+    profile = measure_profile(target_native.model, draft, 1, 256, 5)
     reg.client.set_registered_model_tag(reg.name, PROFILE_TAG, profile.to_json("test-node"))
     # the records are served once, here: the whole module judges on all of them, however long it runs
     cfg = GateConfig(registry.url, kafka.bootstrap, registry.data_dir / "gate-cache", held_out_seconds=3600)
