@@ -502,7 +502,7 @@ def build_controller(
     """Measure step times at a few batch sizes on this machine, now, and start a controller on them."""
     sizes = sorted({min(b, max_batch) for b in batch_sizes})
     # five rounds: with three, the worst of the ratios that decide (verifying n tokens against one)
-    # was off by 0.17 at the median and 0.29 one time in ten at batch 4 on an idle machine here
+    # was off by 0.20 at the median and 0.31 one time in ten at batch 4 on an idle machine here
     # (against 40 rounds); with five, 0.15 and 0.24
     profiles = [measure_profile(model, draft, b, context, cfg.max_gamma + 1, repeats=5) for b in sizes]
     return Controller(cfg, profiles)

@@ -96,8 +96,8 @@ def measure_profile(
     speculation pays is each time's ratio to a one-token step, so each is the median over rounds of
     its ratio to its own round's one-token step, times the median one-token step: contention that
     slows a whole round then cancels, and a burst within one counts as one bad draw (per-size
-    medians of three rounds measured verifying 2 tokens at batch 4 at 1.12 and at 1.36 of one
-    token on the same idle machine, which turned a code draft off in a test). The draft is
+    medians measured verifying 2 tokens at batch 4 at 1.36 of one token in three rounds and at 1.12
+    in seven on the same idle machine; three had turned a code draft off in a test). The draft is
     timed as the engine runs it, right after a target forward: one step, and a chain of
     max_tokens - 1 steps (the steps after the first find its weights in cache)."""
     cap = context + max_tokens + 2
