@@ -501,8 +501,9 @@ def build_controller(
 ) -> Controller:
     """Measure step times at a few batch sizes on this machine, now, and start a controller on them."""
     sizes = sorted({min(b, max_batch) for b in batch_sizes})
-    # five rounds: with three, the worst of the ratios that decide (verifying n tokens against one)
-    # was off by 0.20 at the median and 0.31 one time in ten at batch 4 on an idle machine here
-    # (against 40 rounds); with five, 0.15 and 0.24
+    # five rounds: at batch 4 on an idle machine here, the worst of the ratios that decide (verifying
+    # n tokens against one) was off by 0.28 at the median and 0.51 one time in ten with three rounds
+    # as per-size medians, by 0.14 and 0.29 with five as `profile_from_rounds` takes them (against
+    # 40 rounds: `python scripts/profile_noise.py DRAFT --batch-size 4 --rounds 40`)
     profiles = [measure_profile(model, draft, b, context, cfg.max_gamma + 1, repeats=5) for b in sizes]
     return Controller(cfg, profiles)

@@ -82,7 +82,6 @@ class StepProfile:
         return tau / (c_gamma + beta)
 
 
-@torch.inference_mode()
 def measure_profile(
     model: LlamaModel,
     draft: Eagle3Draft | None,
@@ -92,14 +91,47 @@ def measure_profile(
     repeats: int = 9,
 ) -> StepProfile:
     """Time target forwards of 1..max_tokens tokens per sequence and one draft step, at `context`
-    positions, in `repeats` rounds that each time every one of them once. What decides whether
-    speculation pays is each time's ratio to a one-token step, so each is the median over rounds of
-    its ratio to its own round's one-token step, times the median one-token step: contention that
-    slows a whole round then cancels, and a burst within one counts as one bad draw (per-size
-    medians measured verifying 2 tokens at batch 4 at 1.36 of one token in three rounds and at 1.12
-    in seven on the same idle machine; three had turned a code draft off in a test). The draft is
-    timed as the engine runs it, right after a target forward: one step, and a chain of
-    max_tokens - 1 steps (the steps after the first find its weights in cache)."""
+    positions, in `repeats` rounds (`time_rounds`), and estimate the profile from them
+    (`profile_from_rounds`)."""
+    times = time_rounds(model, draft, batch_size, context, max_tokens, repeats)
+    return profile_from_rounds(times, batch_size, max_tokens)
+
+
+def profile_from_rounds(times: dict[str, list[float]], batch_size: int, max_tokens: int) -> StepProfile:
+    """What decides whether speculation pays is each time's ratio to a one-token step, so each is the
+    median over rounds of its ratio to its own round's one-token step, times the median one-token
+    step: contention that slows a whole round then cancels, and a burst within one counts as one bad
+    draw. Per-size medians of three rounds had turned a code draft off in a test
+    (`scripts/profile_noise.py` compares the two)."""
+    one = statistics.median(times["1"])
+    median = {
+        k: one * statistics.median(t / u for t, u in zip(v, times["1"], strict=True))
+        for k, v in times.items()
+    }
+    target = {n: median[str(n)] for n in range(1, max_tokens + 1)}
+    if "draft" not in median:
+        return StepProfile(batch_size, target, 0.0)
+    first = median["draft"]
+    chain = max(2, max_tokens - 1)
+    return StepProfile(
+        batch_size, target, first, draft_next=max(0.0, (median["chain"] - first) / (chain - 1))
+    )
+
+
+@torch.inference_mode()
+def time_rounds(
+    model: LlamaModel,
+    draft: Eagle3Draft | None,
+    batch_size: int,
+    context: int,
+    max_tokens: int,
+    repeats: int,
+) -> dict[str, list[float]]:
+    """Seconds per round of a target forward of n = 1..max_tokens tokens per sequence (keys "1",
+    "2", ...) and, with a draft, one draft step ("draft") and a chain of max_tokens - 1 steps
+    ("chain"), each timed once a round, so a burst of contention slows a round's sizes alike. The
+    draft is timed as the engine runs it, right after a target forward (the steps of a chain after
+    the first find its weights in cache)."""
     cap = context + max_tokens + 2
     cache = model.new_cache(batch_size, cap)
     runs: dict[str, Callable[[], object]] = {}
@@ -113,11 +145,10 @@ def measure_profile(
         hidden = torch.randn(batch_size, 1, model.cfg.hidden_size, dtype=model.dtype)
         tokens = torch.randint(0, model.cfg.vocab_size, (batch_size, 1))
         batch = Batch.make(0, torch.full((batch_size, 1), context), None, cap)
-        chain = max(2, max_tokens - 1)
         step = partial(_draft_step, draft, hidden, tokens, batch, dcache)
         runs["draft"] = step
         runs["1-again"] = runs["1"]  # so the chain, too, starts after a target forward
-        runs["chain"] = partial(_repeat, step, chain)
+        runs["chain"] = partial(_repeat, step, max(2, max_tokens - 1))
     times: dict[str, list[float]] = {k: [] for k in runs}
     for run in runs.values():
         run()  # warm-up
@@ -126,18 +157,7 @@ def measure_profile(
             t = time.perf_counter()
             run()
             times[k].append(time.perf_counter() - t)
-    one = statistics.median(times["1"])
-    median = {
-        k: one * statistics.median(t / u for t, u in zip(v, times["1"], strict=True))
-        for k, v in times.items()
-    }
-    target = {n: median[str(n)] for n in range(1, max_tokens + 1)}
-    if draft is None:
-        return StepProfile(batch_size, target, 0.0)
-    first = median["draft"]
-    return StepProfile(
-        batch_size, target, first, draft_next=max(0.0, (median["chain"] - first) / (chain - 1))
-    )
+    return times
 
 
 def _repeat(run: Callable[[], object], n: int) -> None:

@@ -257,8 +257,8 @@ class DraftSync:
             return  # a profile without a draft's step time would overstate every speedup
         e = self.engine
         # measured once and judged on for the node's lifetime: nine rounds (a few seconds); with five
-        # the worst ratio at batch 1 was off by 0.08 at the median and 0.19 one time in ten, with nine
-        # 0.06 and 0.12 (against 45 rounds on an idle machine here)
+        # the worst ratio at batch 1 was off by 0.09 at the median and 0.17 one time in ten, with nine
+        # 0.07 and 0.12 (against 45 rounds on an idle machine here: scripts/profile_noise.py)
         profile = measure_profile(e.model, draft, 1, 256, e.cfg.max_gamma + 1)
         self._profile = profile.to_json(self.cfg.node)
 

@@ -86,6 +86,7 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         cfg.draft, target.model.embed_tokens, target.config, target.fingerprint, cfg.dtype
     )
     ecfg = EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=cfg.gamma)
+    ccfg = ControllerConfig()
     engines = {
         "baseline": Engine(
             target, None, EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=0)
@@ -95,10 +96,8 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         "adaptive": Engine(
             target,
             draft,
-            EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=0, max_gamma=6),
-            controller=build_controller(
-                target.model, draft, ControllerConfig(max_gamma=6), cfg.batch_size, (1, cfg.batch_size)
-            ),
+            EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=0, max_gamma=ccfg.max_gamma),
+            controller=build_controller(target.model, draft, ccfg, cfg.batch_size, (1, cfg.batch_size)),
         ),
     }
     llama = _llama_cpp(target.path, max_len) if cfg.llama_cpp and target.path.suffix == ".gguf" else None
