@@ -4,10 +4,15 @@ The engine calls the publisher (its tap) on its own thread. The call appends the
 request's pending chunk and, once a chunk is full or the request ends, encodes it right there: the
 tensor work is about a millisecond per 128 positions on the engine's thread, where it does not fight
 the engine's own OpenMP threads for the cores (on a second thread it slowed both several-fold).
-The encoded bytes go on a bounded queue; a worker thread makes sure the workload's topic exists and
-hands them to librdkafka, whose own bounded buffer drops (BufferError, counted) rather than blocks.
-Delivery reports arrive on a polling thread. Messages are keyed by request id, so one request's
-chunks land in one partition, in order.
+The encoded bytes go on a bounded queue; a worker thread hands them to librdkafka, whose own
+bounded buffer drops (BufferError, counted) rather than blocks. A workload's first record starts the
+creation of its topic on another thread and waits, with the workload's next ones, until it is done:
+creating a topic takes the broker a while (or the broker is away), and other workloads' records keep
+flowing meanwhile. Delivery reports arrive on a polling thread. Messages are keyed by request id, so
+one request's chunks land in one partition, in order.
+
+A request the engine ends from outside (its client left, its step failed) is published as far as it
+got at once (the engine taps its end); one that falls silent otherwise is, after `idle_flush_s`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +45,7 @@ class PublisherConfig:
     buffer_kbytes: int = 64 * 1024  # librdkafka's in-memory buffer
     delivery_timeout_ms: int = 30_000  # a record not delivered by then is counted as failed
     idle_flush_s: float = 30.0  # a request silent this long (its client left) is flushed as it is
+    topic_retry_s: float = 5.0  # after a topic could not be created, its records are dropped this long
     topics: TopicConfig = field(default_factory=TopicConfig)
 
 
@@ -55,6 +62,14 @@ class _Outgoing:
     workload: str
     key: bytes
     value: bytes
+
+
+@dataclass
+class _TopicReady:
+    """A topic creation finished (error: why it failed)."""
+
+    workload: str
+    error: str | None
 
 
 @dataclass
@@ -96,9 +111,12 @@ class RecordPublisher:
             }
         )
         self.admin = AdminClient({"bootstrap.servers": cfg.bootstrap, "logger": log})  # type: ignore[dict-item]
+        # the worker's own: topics known to exist, records waiting for theirs, failed creations
         self._topics: set[str] = set()
-        self._topic_retry_at = 0.0
-        self._out: queue.Queue[_Outgoing | None] = queue.Queue(cfg.queue_records)
+        self._parked: dict[str, list[_Outgoing]] = {}  # a workload here has its topic being created
+        self._retry_at: dict[str, float] = {}  # workload -> when its topic's creation may be tried again
+        self._creator = ThreadPoolExecutor(2, thread_name_prefix="topic-create")
+        self._out: queue.Queue[_Outgoing | _TopicReady | None] = queue.Queue(cfg.queue_records)
         self._pending: dict[str, _Pending] = {}
         self._pending_lock = threading.Lock()  # the engine's thread, and the worker's idle flush
         self._stopped = threading.Event()
@@ -106,6 +124,12 @@ class RecordPublisher:
         self._poller = threading.Thread(target=self._poll, name="kafka-poll", daemon=True)
         self._worker.start()
         self._poller.start()
+
+    @property
+    def pending_requests(self) -> frozenset[str]:
+        """Requests whose states are held here, waiting for more positions or their end."""
+        with self._pending_lock:
+            return frozenset(self._pending)
 
     # -- the engine's side: accumulate, encode full chunks, enqueue ------------------------------
     def __call__(self, ev: TapEvent) -> None:
@@ -174,16 +198,22 @@ class RecordPublisher:
 
     # -- worker: topics and librdkafka -------------------------------------------------------------
     def _work(self) -> None:
+        next_idle_check = time.monotonic() + 1.0
         while True:
+            if time.monotonic() >= next_idle_check:  # on the clock: steady traffic never lets `get` time out
+                next_idle_check = time.monotonic() + 1.0
+                try:
+                    self._flush_idle()
+                except Exception:
+                    log.exception("could not flush silent requests")
             try:
                 item = self._out.get(timeout=1.0)
             except queue.Empty:
-                self._flush_idle()
                 continue
             try:
                 if item is None:
                     return
-                self._produce(item)
+                self._handle(item)
             except Exception:  # a bug here must not take capture down for everyone
                 log.exception("could not publish a record")
             finally:
@@ -199,11 +229,53 @@ class RecordPublisher:
                         self._send(rid, p, p.positions, last=True)
                     del self._pending[rid]
 
-    def _produce(self, item: _Outgoing) -> None:
-        topic = self._topic(item.workload)
-        if topic is None:
-            self._count(records_dropped=1)
+    def _handle(self, item: _Outgoing | _TopicReady) -> None:
+        if isinstance(item, _TopicReady):
+            self._topic_ready(item)
             return
+        topic = topic_for(item.workload)
+        if topic in self._topics:
+            self._produce(topic, item)
+        elif item.workload in self._parked:  # behind the records already waiting for the topic
+            self._park(item)
+        elif time.monotonic() < self._retry_at.get(item.workload, 0.0):
+            self._count(records_dropped=1)  # the broker was away a moment ago: do not ask per record
+        else:
+            self._parked[item.workload] = []
+            self._park(item)
+            self._creator.submit(self._create_topic, item.workload)
+
+    def _park(self, item: _Outgoing) -> None:
+        if sum(len(v) for v in self._parked.values()) >= self.cfg.queue_records:
+            self._count(records_dropped=1)
+        else:
+            self._parked[item.workload].append(item)
+
+    def _create_topic(self, workload: str) -> None:
+        """On a creator thread: the worker hears the outcome through its queue, in order."""
+        error = None
+        try:
+            ensure_topic(self.admin, workload, self.cfg.topics, timeout=5.0)
+        except KafkaException as e:
+            error = str(e.args[0])
+        except Exception as e:  # whatever it was, the worker must hear of it, or its records wait forever
+            error = repr(e)
+        self._out.put(_TopicReady(workload, error))
+
+    def _topic_ready(self, ready: _TopicReady) -> None:
+        parked = self._parked.pop(ready.workload, [])
+        topic = topic_for(ready.workload)
+        if ready.error is not None:
+            log.warning("topic %s unavailable (%s); dropping its records for now", topic, ready.error)
+            self._retry_at[ready.workload] = time.monotonic() + self.cfg.topic_retry_s
+            self._count(records_dropped=len(parked))
+            return
+        self._retry_at.pop(ready.workload, None)
+        self._topics.add(topic)
+        for item in parked:
+            self._produce(topic, item)
+
+    def _produce(self, topic: str, item: _Outgoing) -> None:
         try:
             self.producer.produce(
                 topic,
@@ -216,21 +288,6 @@ class RecordPublisher:
         except KafkaException:
             log.warning("record refused by the client library")
             self._count(records_dropped=1)
-
-    def _topic(self, workload: str) -> str | None:
-        topic = topic_for(workload)
-        if topic in self._topics:
-            return topic
-        if time.monotonic() < self._topic_retry_at:
-            return None  # the broker was away a moment ago: do not wait on it again per record
-        try:
-            ensure_topic(self.admin, workload, self.cfg.topics, timeout=5.0)
-        except KafkaException as e:
-            log.warning("topic %s unavailable (%s); dropping its records for now", topic, e.args[0])
-            self._topic_retry_at = time.monotonic() + 5.0
-            return None
-        self._topics.add(topic)
-        return topic
 
     def _delivered(self, size: int, err: object, _msg: object) -> None:
         if err is None:
@@ -249,9 +306,10 @@ class RecordPublisher:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def flush(self, timeout: float = 10.0) -> int:
-        """Wait until queued events are handled and librdkafka has delivered; returns messages unsent."""
+        """Wait until queued events are handled (topics being created included) and librdkafka has
+        delivered; returns messages unsent."""
         deadline = time.monotonic() + timeout
-        while self._out.unfinished_tasks and time.monotonic() < deadline:
+        while (self._out.unfinished_tasks or self._parked) and time.monotonic() < deadline:
             time.sleep(0.01)
         return int(self.producer.flush(max(0.0, deadline - time.monotonic())))
 
@@ -259,5 +317,6 @@ class RecordPublisher:
         self.flush(timeout)
         self._out.put(None)
         self._worker.join(timeout)
+        self._creator.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
         self._poller.join(timeout)

@@ -15,6 +15,9 @@ evaluate on); at high traffic one in ten fills the window and nothing more is he
 A prompt that comes again keeps its status: greedy decoding repeats its text, so a prompt the
 trainers learnt from must never evaluate a draft, nor the other way round (this node remembers the
 last `remember_prompts` it captured; traffic that repeats a few prompts keeps the share they drew).
+
+A node serves a bounded set of workload names (`WorkloadSet`): a client's made-up name would
+otherwise make a topic, a registry poll and metric series of its own.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import re
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,6 +48,45 @@ def check_workload(name: str) -> str:
             "starting with a letter or digit"
         )
     return name
+
+
+DEFAULT_WORKLOAD = "default"
+
+
+class WorkloadSet:
+    """The workload names a node serves. Each name makes state across the loop (a Kafka topic, a
+    registry poll, metric series, controller and capture entries), so the set is bounded: an
+    allow-list (`tide serve --workloads`), or else the first `cap` names seen. A valid name outside
+    the set is served as `default` and counted (`overflow`); an invalid one is refused (ValueError).
+    `default` is always in the set."""
+
+    def __init__(self, allowed: Iterable[str] | None = None, cap: int = 16):
+        if cap < 0:
+            raise ValueError(f"the workload cap must be >= 0, got {cap}")
+        self.fixed = allowed is not None  # an allow-list: nothing else is ever admitted
+        self.cap = cap
+        self._names: set[str] = {check_workload(w) for w in allowed or ()} - {DEFAULT_WORKLOAD}
+        self.overflow = 0  # requests served as `default` because their name was outside the set
+        self._lock = threading.Lock()
+
+    def resolve(self, name: str) -> str:
+        """The name a request is served under: its own if in the set (or admitted now), else `default`."""
+        check_workload(name)
+        with self._lock:
+            if name == DEFAULT_WORKLOAD or name in self._names:
+                return name
+            if not self.fixed and len(self._names) < self.cap:
+                self._names.add(name)
+                return name
+            self.overflow += 1
+            return DEFAULT_WORKLOAD
+
+    def __contains__(self, name: object) -> bool:
+        return name == DEFAULT_WORKLOAD or name in self._names
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted({DEFAULT_WORKLOAD, *self._names})
 
 
 @dataclass
@@ -100,7 +142,10 @@ class CapturePolicy:
         held_out_min: int = 3,
         held_out_window: float = 120.0,
         clock: Callable[[], float] = time.time,
+        workloads: WorkloadSet | None = None,
     ):
+        # every request's workload name is resolved here first (api.submit): what gets state
+        self.workloads = workloads or WorkloadSet()
         rules = dict(rules or {})
         self.fallback = rules.pop("*", CaptureRule())  # for workloads without a rule of their own
         self.rules: dict[str, CaptureRule] = rules
@@ -174,7 +219,12 @@ class CapturePolicy:
         )
 
     def snapshot(self) -> dict[str, object]:
-        return {"fallback": asdict(self.fallback), "workloads": {w: asdict(r) for w, r in self.rules.items()}}
+        return {
+            "fallback": asdict(self.fallback),
+            "workloads": {w: asdict(r) for w, r in self.rules.items()},
+            "served": self.workloads.names(),
+            "served_as_default": self.workloads.overflow,
+        }
 
 
 class TrainingAdvisor:

@@ -2,6 +2,9 @@
 
 Engine state (queue depth, running requests, gamma, draft version, acceptance by depth) is read
 at scrape time by a collector, so the engine's hot path does no metrics work for it.
+
+Every per-workload label is a name of the capture policy's `WorkloadSet` (counters count the rest as
+`default`, gauges leave them out), so no client can grow the label sets.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tide.producers.publisher import RecordPublisher
-from tide.serving.capture import CapturePolicy
+from tide.serving.capture import DEFAULT_WORKLOAD, CapturePolicy, WorkloadSet
 from tide.serving.controller import Controller
 from tide.serving.draft_sync import DraftSync
 from tide.serving.engine import Engine, StepOutput
@@ -21,12 +24,17 @@ from tide.serving.engine import Engine, StepOutput
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
 
 
+def _served(workloads: WorkloadSet | None, name: str) -> bool:
+    return workloads is None or name in workloads
+
+
 class _EngineCollector(Collector):
     def __init__(self, engine: Engine, capture: CapturePolicy | None):
         self.engine = engine
         self.capture = capture
+        self.workloads = capture.workloads if capture is not None else None
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         e = self.engine
         yield GaugeMetricFamily("tide_queue_depth", "Requests waiting for a slot", value=len(e.waiting))
         yield GaugeMetricFamily("tide_running_requests", "Requests holding a slot", value=len(e.running))
@@ -45,6 +53,8 @@ class _EngineCollector(Collector):
             labels=["workload", "version"],
         )
         for workload, slot in list(e.drafts.items()):
+            if not _served(self.workloads, workload):
+                continue
             draft.add_metric([workload, slot.version], 1)
             per_step.add_metric([workload, slot.version], slot.stats.mean_accept_length)
             steps.add_metric([workload, slot.version], slot.stats.steps)
@@ -59,6 +69,15 @@ class _EngineCollector(Collector):
         yield rate
         if e.controller is not None:
             yield from _controller_metrics(e.controller, self.capture)
+        if self.workloads is not None:
+            yield GaugeMetricFamily(
+                "tide_workloads", "Workload names this node serves", value=len(self.workloads.names())
+            )
+            yield CounterMetricFamily(
+                "tide_workloads_overflow",
+                "Requests served as `default`: their workload was outside the allow-list or the cap",
+                value=self.workloads.overflow,
+            )
 
 
 def _controller_metrics(c: Controller, capture: CapturePolicy | None) -> Iterator[GaugeMetricFamily]:
@@ -86,6 +105,8 @@ def _controller_metrics(c: Controller, capture: CapturePolicy | None) -> Iterato
         "tide_workload_shifted", "1 where short-term acceptance fell below long-term", labels=["workload"]
     )
     for w, snap in c.snapshot().items():
+        if capture is not None and w not in capture.workloads:
+            continue
         for which in ("short", "long"):
             for depth, a in enumerate(snap[f"alpha_{which}"], start=1):
                 rate.add_metric([w, str(depth), which], a)
@@ -105,7 +126,7 @@ class _PublisherCollector(Collector):
     def __init__(self, publisher: RecordPublisher):
         self.publisher = publisher
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         s = self.publisher.stats
         for name, doc, value in (
             ("tide_capture_records_published", "Records the broker acknowledged", s.records_published),
@@ -118,11 +139,17 @@ class _PublisherCollector(Collector):
             ("tide_capture_records_failed", "Records the broker never acknowledged", s.records_failed),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "tide_capture_pending_requests",
+            "Requests whose captured states wait for more positions or their end",
+            value=len(self.publisher.pending_requests),
+        )
 
 
 class _SyncCollector(Collector):
-    def __init__(self, sync: DraftSync):
+    def __init__(self, sync: DraftSync, workloads: WorkloadSet | None):
         self.sync = sync
+        self.workloads = workloads
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         s = self.sync.stats
@@ -144,6 +171,8 @@ class _SyncCollector(Collector):
             labels=["workload", "model", "version"],
         )  # fmt: skip
         for workload, f in list(self.sync.following.items()):
+            if not _served(self.workloads, workload):
+                continue
             following.add_metric([workload, f.name, f.version], 1)
         yield following
 
@@ -157,6 +186,7 @@ class ServingMetrics:
         capture: CapturePolicy | None = None,
     ):
         self.registry = CollectorRegistry()
+        self.workloads = capture.workloads if capture is not None else None
         r = self.registry
         self.requests = Counter("tide_requests", "Finished HTTP requests", ["endpoint", "status"], registry=r)
         self.latency = Histogram(
@@ -189,12 +219,16 @@ class ServingMetrics:
         if publisher is not None:
             r.register(_PublisherCollector(publisher))
         if sync is not None:
-            r.register(_SyncCollector(sync))
+            r.register(_SyncCollector(sync, self.workloads))
+
+    def workload(self, name: str) -> str:
+        """A workload's label: its name if served here, else `default`."""
+        return name if _served(self.workloads, name) else DEFAULT_WORKLOAD
 
     def observe_step(self, outputs: list[StepOutput]) -> None:
         decoded = 0
         for out in outputs:
-            self.generated.labels(out.seq.workload).inc(len(out.new_tokens))
+            self.generated.labels(self.workload(out.seq.workload)).inc(len(out.new_tokens))
             if out.accepted is not None:
                 self.accepted_length.observe(out.accepted + 1)
                 decoded += 1

@@ -1,6 +1,6 @@
 """Capture rules per workload: from the command line, changed at run time, the client's opt-out wins;
 `auto` rules: the held-out share always, everything while the workload needs training; which
-requests are held out."""
+requests are held out; which workload names a node serves."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from tide.producers.records import is_held_out
-from tide.serving.capture import CapturePolicy, CaptureRule, Decision, TrainingAdvisor, parse_rules
+from tide.serving.capture import (
+    CapturePolicy,
+    CaptureRule,
+    Decision,
+    TrainingAdvisor,
+    WorkloadSet,
+    parse_rules,
+)
 
 
 def test_rules_from_the_command_line() -> None:
@@ -161,3 +168,37 @@ def test_captured_at_low_traffic_the_gate_gets_its_share() -> None:
     assert [policy.decide("w", False, next(ids)).held_out for _ in range(3)] == [True, False, True]
     by_id = next(f"q-{i}" for i in range(400) if is_held_out(f"q-{i}"))
     assert policy.decide("w", False, by_id).held_out  # the id's share always
+
+
+def test_past_the_cap_workload_names_are_served_as_default_and_counted() -> None:
+    served = WorkloadSet(cap=2)
+    assert [served.resolve(f"w{i}") for i in range(5)] == ["w0", "w1", "default", "default", "default"]
+    assert served.resolve("w1") == "w1" and served.resolve("default") == "default"  # neither counts
+    assert served.overflow == 3 and served.names() == ["default", "w0", "w1"]
+    assert "w0" in served and "w2" not in served and "default" in served
+
+
+def test_an_allow_list_admits_nothing_else() -> None:
+    served = WorkloadSet(["code", "fr"], cap=100)
+    assert [served.resolve(w) for w in ("code", "fr", "math", "default")] == [
+        "code",
+        "fr",
+        "default",
+        "default",
+    ]
+    assert served.overflow == 1 and served.names() == ["code", "default", "fr"]
+    policy = CapturePolicy(workloads=served)
+    assert (
+        policy.snapshot()["served"] == ["code", "default", "fr"]
+        and policy.snapshot()["served_as_default"] == 1
+    )
+
+
+@pytest.mark.parametrize("name", ["No Spaces!", "", "-dash", "x" * 49])
+def test_invalid_workload_names_are_refused_not_mapped(name: str) -> None:
+    served = WorkloadSet(cap=2)
+    with pytest.raises(ValueError, match="workload name"):
+        served.resolve(name)
+    assert served.overflow == 0 and served.names() == ["default"]
+    with pytest.raises(ValueError, match="workload name"):
+        WorkloadSet([name])
