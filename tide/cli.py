@@ -264,7 +264,13 @@ def serve(
     ),
     registry_poll: float = typer.Option(10.0, "--registry-poll", help="seconds between champion polls"),
     workloads: str = typer.Option(
-        "", "--workloads", help="workloads to follow from the start, e.g. 'code,fr'"
+        "",
+        "--workloads",
+        help="the workloads this node serves, e.g. 'code,fr'; other names are served as 'default' "
+        "(with --registry: followed from the start). Unset: the first --max-workloads names seen",
+    ),
+    max_workloads: int = typer.Option(
+        16, "--max-workloads", min=0, help="without --workloads: names past this many are served as 'default'"
     ),
     node: str | None = typer.Option(
         None, "--node", envvar="TIDE_NODE", help="this node's name in registry tags (default: host:port)"
@@ -294,13 +300,18 @@ def serve(
     from tide.producers.publisher import PublisherConfig
     from tide.producers.records import CODECS
     from tide.serving.api import ServerConfig, build_app
-    from tide.serving.capture import CapturePolicy, parse_rules
+    from tide.serving.capture import CapturePolicy, WorkloadSet, parse_rules
     from tide.serving.controller import ControllerConfig
 
     if codec not in CODECS:
         raise typer.BadParameter(f"choose one of {', '.join(CODECS)}", param_hint="--codec")
     try:
-        policy = CapturePolicy(parse_rules(capture))
+        names = [w.strip() for w in workloads.split(",") if w.strip()]
+        served = WorkloadSet(names or None, max_workloads)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--workloads") from None
+    try:
+        policy = CapturePolicy(parse_rules(capture), workloads=served)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--capture") from None
     from tide.serving.engine import EngineConfig
