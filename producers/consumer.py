@@ -1,14 +1,25 @@
-"""Reads hidden-state records of chosen workloads; what does not decode is counted and skipped."""
+"""Reads hidden-state records of chosen workloads; what is not a usable record is counted by reason
+and skipped. A record is checked against the target (its `TargetShape`, when given) and its topic's
+workload. `positions` says how far every partition was read, refused messages included, so a reader
+that commits it moves past poison instead of reading it again after every restart."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from tide.producers.records import ForeignTarget, HiddenStateRecord, RecordError, SchemaMismatch, decode
-from tide.producers.topics import TopicConfig, topic_for
+from tide.producers.records import (
+    ForeignTarget,
+    HiddenStateRecord,
+    RecordError,
+    SchemaMismatch,
+    TargetShape,
+    decode,
+)
+from tide.producers.topics import TopicConfig, topic_for, workload_of
 
 log = logging.getLogger("tide.producers")
 
@@ -24,13 +35,23 @@ class ConsumedRecord:
 @dataclass
 class ConsumerStats:
     records: int = 0
-    corrupt: int = 0
-    foreign: int = 0  # another target model's records
-    schema: int = 0  # another schema version
+    refused: Counter[str] = field(default_factory=Counter)  # RecordError.reason -> messages skipped
+
+    @property
+    def foreign(self) -> int:  # another target model's records
+        return self.refused[ForeignTarget.reason]
+
+    @property
+    def schema(self) -> int:  # another schema version
+        return self.refused[SchemaMismatch.reason]
 
     @property
     def skipped(self) -> int:
-        return self.corrupt + self.foreign + self.schema
+        return sum(self.refused.values())
+
+    @property
+    def corrupt(self) -> int:  # everything else: bytes that are no record, or content that is unusable
+        return self.skipped - self.foreign - self.schema
 
 
 class RecordConsumer:
@@ -41,10 +62,13 @@ class RecordConsumer:
         group_id: str,
         target_fingerprint: str,
         topics: TopicConfig | None = None,
+        shape: TargetShape | None = None,
     ):
         topics = topics or TopicConfig()
         self.fingerprint = target_fingerprint
+        self.shape = shape
         self.stats = ConsumerStats()
+        self.positions: dict[str, int] = {}  # "topic:partition" -> next offset, past refused messages too
         self.consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
@@ -72,28 +96,22 @@ class RecordConsumer:
                 if err.code() not in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART):
                     log.warning("consumer: %s", err)
                 continue
+            topic, partition, offset = str(msg.topic()), int(msg.partition() or 0), int(msg.offset() or 0)
+            where = f"{topic}:{partition}"
+            self.positions[where] = max(self.positions.get(where, 0), offset + 1)
             try:
-                record = decode(msg.value() or b"", self.fingerprint)
-            except ForeignTarget:
-                self.stats.foreign += 1
-                continue
-            except SchemaMismatch:
-                self.stats.schema += 1
-                continue
+                record = decode(msg.value() or b"", self.fingerprint, self.shape, workload_of(topic))
             except RecordError as e:
-                self.stats.corrupt += 1
-                log.warning(
-                    "skipping a corrupt record at %s[%s]@%s: %s",
-                    msg.topic(),
-                    msg.partition(),
-                    msg.offset(),
-                    e,
-                )
+                self.stats.refused[e.reason] += 1
+                if not isinstance(e, ForeignTarget | SchemaMismatch):  # those are expected, not poison
+                    log.warning("skipping a record at %s@%s (%s): %s", where, offset, e.reason, e)
+                continue
+            except Exception as e:  # whoever can write to the topic must not be able to stop its readers
+                self.stats.refused["unexpected"] += 1
+                log.exception("skipping a record at %s@%s that failed to decode: %s", where, offset, e)
                 continue
             self.stats.records += 1
-            out.append(
-                ConsumedRecord(record, str(msg.topic()), int(msg.partition() or 0), int(msg.offset() or 0))
-            )
+            out.append(ConsumedRecord(record, topic, partition, offset))
         return out
 
     def commit(self, consumed: list[ConsumedRecord]) -> None:

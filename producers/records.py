@@ -11,14 +11,20 @@ final hidden states go through a codec:
   would flatten every other value to zero; per-group scales keep them.
 
 The whole blob is then zstd-compressed when that saves at least 5%.
+
+Whoever can write to a topic can send anything, so `decode` trusts nothing: decompression is bounded
+whatever a zstd frame declares, and a decoded record is checked (`validate`) against the target and
+the topic it came from. Every refusal is a `RecordError` whose `reason` consumers count by.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import zstandard
@@ -31,6 +37,7 @@ CODECS = ("bf16", "int8-g64", "fp8-g64")
 GROUP = 64
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _MAX_DECOMPRESSED = 64 << 20  # a record larger than this is not one of ours
+_MAX_NAME = 256  # request ids and workload names are short
 HELD_OUT_PERCENT = 10  # requests (by id) held out by default: trainers never learn from them
 
 
@@ -40,19 +47,74 @@ def is_held_out(request_id: str, percent: int = HELD_OUT_PERCENT) -> bool:
 
 
 class RecordError(ValueError):
-    """A message that is not a usable record; consumers count these and skip them."""
+    """A message that is not a usable record; consumers count these by `reason` and skip them."""
+
+    reason: ClassVar[str] = "corrupt"
 
 
 class CorruptRecord(RecordError):
-    pass
+    """The bytes are not a record (not safetensors, a broken zstd frame, fields missing)."""
+
+
+class OversizedRecord(CorruptRecord):
+    """Decompresses (or its zstd frame says it would) to more than any record of ours."""
+
+    reason = "oversized"
 
 
 class SchemaMismatch(RecordError):
-    pass
+    reason = "schema"
 
 
 class ForeignTarget(RecordError):
     """A record made by another target model: its states mean nothing to this draft."""
+
+    reason = "foreign"
+
+
+class InvalidRecord(RecordError):
+    """Decodes, but its content cannot be trained on (a field out of range)."""
+
+    reason = "invalid"
+
+
+class WrongShape(InvalidRecord):
+    """State widths that are not the target's (or aux not three times the final state)."""
+
+    reason = "shape"
+
+
+class TokenOutOfRange(InvalidRecord):
+    """A token id outside [0, vocab size): it would index past the embedding and the LM head."""
+
+    reason = "token_range"
+
+
+class NonFiniteState(InvalidRecord):
+    """An inf or NaN in the states: one such value turns every weight of a draft trained on it NaN."""
+
+    reason = "non_finite"
+
+
+class WrongWorkload(InvalidRecord):
+    """A record naming another workload than its topic's: it would train the wrong draft."""
+
+    reason = "workload"
+
+
+REFUSAL_REASONS = tuple(
+    c.reason
+    for c in (CorruptRecord, OversizedRecord, SchemaMismatch, ForeignTarget, InvalidRecord, WrongShape,
+              TokenOutOfRange, NonFiniteState, WrongWorkload)
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What a record's content must fit of the target the reader trains for."""
+
+    hidden_size: int
+    vocab_size: int
 
 
 @dataclass
@@ -160,13 +222,45 @@ def _held_out(meta: dict[str, str]) -> bool:
     return meta["held_out"] == "1"
 
 
-def decode(data: bytes, expect_fingerprint: str | None = None) -> HiddenStateRecord:
-    """Bytes -> record; raises a RecordError subclass for anything that is not a record we can use."""
+def _decompress(data: bytes) -> bytes:
+    """A zstd frame's content, never more than `_MAX_DECOMPRESSED` bytes of memory: a frame that
+    declares more is refused from its header (a one-shot decompress allocates what the frame
+    declares: an 8 KB frame took 256 MiB, and one declaring 1 TiB raised MemoryError); one that
+    does not say is streamed and cut off past the cap."""
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise CorruptRecord(f"not a zstd frame header: {e}") from None
+    if declared > _MAX_DECOMPRESSED:
+        raise OversizedRecord(f"zstd frame declares {declared} bytes, more than {_MAX_DECOMPRESSED}")
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        # the window bounds the decoder's own buffer, which a frame header also chooses
+        dctx = zstandard.ZstdDecompressor(max_window_size=_MAX_DECOMPRESSED)
+        with dctx.stream_reader(data) as reader:
+            while chunk := reader.read(1 << 20):
+                total += len(chunk)
+                if total > _MAX_DECOMPRESSED:
+                    raise OversizedRecord(f"zstd frame decompresses to more than {_MAX_DECOMPRESSED} bytes")
+                chunks.append(chunk)
+    except zstandard.ZstdError as e:
+        raise CorruptRecord(f"zstd frame does not decompress: {e}") from None
+    if declared >= 0 and total != declared:
+        raise CorruptRecord(f"zstd frame declares {declared} bytes, holds {total}")
+    return b"".join(chunks)
+
+
+def decode(
+    data: bytes,
+    expect_fingerprint: str | None = None,
+    shape: TargetShape | None = None,
+    workload: str | None = None,
+) -> HiddenStateRecord:
+    """Bytes -> record; raises a RecordError subclass for anything that is not a record we can use:
+    also, with `shape` and `workload` (its topic's), for content that does not fit them (`validate`)."""
     if data[:4] == _ZSTD_MAGIC:
-        try:
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=_MAX_DECOMPRESSED)
-        except zstandard.ZstdError as e:
-            raise CorruptRecord(f"zstd frame does not decompress: {e}") from None
+        data = _decompress(data)
     try:
         tensors = st_load(data)
         meta = _metadata(data)
@@ -183,7 +277,7 @@ def decode(data: bytes, expect_fingerprint: str | None = None) -> HiddenStateRec
     try:
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}")
-        return HiddenStateRecord(
+        record = HiddenStateRecord(
             tokens=tensors["tokens"].long(),
             aux=_decode_tensor(tensors, "aux", codec),
             hidden=_decode_tensor(tensors, "hidden", codec),
@@ -198,8 +292,42 @@ def decode(data: bytes, expect_fingerprint: str | None = None) -> HiddenStateRec
             held_out=_held_out(meta),
             created_at=float(meta["created_at"]),
         )
-    except (KeyError, ValueError, RuntimeError) as e:
+    except (KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:  # e.g. a 0-d tensor's len()
         raise CorruptRecord(f"record fields are missing or inconsistent: {e}") from None
+    validate(record, shape, workload)
+    return record
+
+
+def validate(
+    record: HiddenStateRecord, shape: TargetShape | None = None, workload: str | None = None
+) -> None:
+    """Refuse (a RecordError) a record a trainer could not learn from safely: states that are not
+    two-dimensional and three aux layers wide (of the target's width, given `shape`), token ids
+    outside [0, vocab size), inf or NaN anywhere, fields out of range, or another workload's name
+    than `workload` (its topic's)."""
+    aux, hidden = record.aux, record.hidden
+    if aux.dim() != 2 or hidden.dim() != 2 or aux.shape[1] != 3 * hidden.shape[1]:
+        raise WrongShape(
+            f"states aux {tuple(aux.shape)}, hidden {tuple(hidden.shape)}: not (m, 3d) and (m, d)"
+        )
+    if shape is not None and hidden.shape[1] != shape.hidden_size:
+        raise WrongShape(f"states {hidden.shape[1]} wide, the target's are {shape.hidden_size}")
+    if not aux.is_floating_point() or not hidden.is_floating_point():
+        raise WrongShape(f"states of {aux.dtype} and {hidden.dtype}, not floating point")
+    tokens = record.tokens
+    vocab = shape.vocab_size if shape is not None else None
+    if len(tokens) and (int(tokens.min()) < 0 or (vocab is not None and int(tokens.max()) >= vocab)):
+        raise TokenOutOfRange(f"token ids {int(tokens.min())}..{int(tokens.max())}, vocab size {vocab}")
+    if not (bool(torch.isfinite(aux).all()) and bool(torch.isfinite(hidden).all())):
+        raise NonFiniteState("inf or NaN in the states")
+    if record.chunk < 0 or record.first_position < 0 or not math.isfinite(record.created_at):
+        raise InvalidRecord(
+            f"chunk {record.chunk}, first position {record.first_position}, created at {record.created_at}"
+        )
+    if not 0 < len(record.request_id) <= _MAX_NAME or not 0 < len(record.workload) <= _MAX_NAME:
+        raise InvalidRecord("request id or workload name empty or too long")
+    if workload is not None and record.workload != workload:
+        raise WrongWorkload(f"a record of workload {record.workload[:64]!r} in {workload!r}'s topic")
 
 
 def _metadata(blob: bytes) -> dict[str, str]:

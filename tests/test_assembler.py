@@ -3,6 +3,8 @@ come out as the pieces they are."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tide.producers.assembler import RequestAssembler, join, record_key
@@ -75,3 +77,27 @@ def test_a_missing_chunk_leaves_two_pieces_and_a_silent_request_is_flushed_when_
     assert pieces[1].first_position == parts[3].first_position and pieces[1].last
     assert asm.add(parts[0]) == [] and [r.request_id for r in asm.flush()] == ["r"]
     assert asm.holding() == {} and asm.flush(everything=True) == []
+
+
+def test_a_record_that_does_not_fit_the_held_ones_starts_a_piece_instead_of_breaking_the_join() -> None:
+    _, parts = _request(150, 64, prompt=40)
+    wide = HiddenStateRecord(torch.arange(65), torch.randn(64, 3 * 2 * D), torch.randn(64, 2 * D),
+                             torch.zeros(64, dtype=torch.bool), "f", "v1", "code", "r", 1, 64, False)  # fmt: skip
+    asm = RequestAssembler()
+    assert asm.add(parts[0]) == []
+    pieces = asm.add(wide)  # the same request id and the next chunk, other widths: joining them would raise
+    assert len(pieces) == 1 and _same(pieces[0], parts[0])
+    held_out = [dataclasses.replace(p, request_id="h", held_out=i == 1) for i, p in enumerate(parts)]
+    assert asm.add(held_out[0]) == []
+    (piece,) = asm.add(held_out[1])  # a join never mixes what trains with what only evaluates
+    assert _same(piece, held_out[0]) and not piece.held_out
+
+
+def test_the_assembler_holds_a_bounded_number_of_requests_and_positions() -> None:
+    asm = RequestAssembler(max_pending=3, max_positions=128)
+    firsts = [_request(150, 64, prompt=40, rid=f"r{i}")[1][0] for i in range(5)]
+    out = [r.request_id for rec in firsts for r in asm.add(rec)]
+    assert out == ["r0", "r1"] and len(asm.pending) == 3  # the requests untouched for longest went on
+    _, long = _request(400, 64, prompt=40, rid="long")
+    out = [r for rec in long[:3] for r in asm.add(rec)]
+    assert [r.num_positions for r in out if r.request_id == "long"] == [128]  # two chunks: at the bound

@@ -5,7 +5,9 @@ offset of every partition read. A checkpoint is a fresh folder `ckpt-<steps>`; `
 newest complete one and is replaced atomically, so a trainer killed at any moment restarts from a
 consistent state. Offsets are committed to Kafka only after `CURRENT` points at a checkpoint that
 holds them: records read after the last checkpoint are delivered again, and records the checkpoint
-already holds are recognised by the ledger and skipped.
+already holds are recognised by the ledger and skipped. The ledger remembers the newest
+`Ledger.trim` keys only (a record older than that, delivered again, would be trained again), and a
+checkpoint is never written with non-finite weights: a resume would refuse them forever.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable, Iterator, MutableSet
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,28 +26,73 @@ from tide.trainers.bootstrap import load_examples, save_examples
 from tide.trainers.ttt import Example
 
 
+class KeySet(MutableSet[str]):
+    """A set that remembers the order keys were added in, so the oldest can be forgotten."""
+
+    def __init__(self, keys: Iterable[str] = ()):
+        self._keys = dict.fromkeys(keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+
+    def discard(self, key: str) -> None:
+        self._keys.pop(key, None)
+
+    def drop_oldest(self, n: int) -> None:
+        for key in list(self._keys)[: max(0, n)]:
+            del self._keys[key]
+
+    def __repr__(self) -> str:
+        return f"KeySet({list(self._keys)!r})"
+
+
 @dataclass
 class Ledger:
-    trained: set[str] = field(default_factory=set)  # "request_id:chunk" held by the checkpoint
+    trained: KeySet = field(default_factory=KeySet)  # "request_id:chunk" held by the checkpoint, oldest first
     offsets: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> next offset to read
     steps: int = 0
     records: int = 0
     redeliveries: int = 0
-    skipped: int = 0
+    skipped: int = 0  # messages refused by the consumer (this session), by reason in `refused`
+    refused: dict[str, int] = field(default_factory=dict)
     candidates: int = 0
     best_tau: float = 0.0  # held-out tau of the last candidate
     first_offsets: dict[str, int] = field(default_factory=dict)  # where this workload's training began
+    forgotten: int = 0  # keys dropped from `trained` by `trim`: records = len(trained) + forgotten
+    nonfinite_steps: int = 0  # steps skipped because their loss or gradients were inf or NaN
+    reverts: int = 0  # times the weights went non-finite and were put back to the last checkpoint's
+    outages: int = 0  # calls to MLflow or Kafka that failed (each retried later, with backoff)
+
+    def trim(self, keep: int) -> None:
+        """Remember only the newest `keep` trained keys (retention: the ledger is saved whole)."""
+        extra = len(self.trained) - keep
+        if extra > 0:
+            self.trained.drop_oldest(extra)
+            self.forgotten += extra
 
     def to_json(self) -> str:
         d = asdict(self)
-        d["trained"] = sorted(self.trained)
+        d["trained"] = list(self.trained)
         return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str) -> Ledger:
         d = json.loads(text)
-        d["trained"] = set(d["trained"])
+        d["trained"] = KeySet(d["trained"])
         return cls(**d)
+
+
+def finite_weights(draft: Eagle3Draft) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in draft.state_dict().values() if t.is_floating_point())
 
 
 @dataclass
@@ -60,6 +108,8 @@ def save_checkpoint(
     root: Path, ledger: Ledger, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, replay: list[Example],
     held_out: list[Example],
 ) -> Path:  # fmt: skip
+    if not finite_weights(draft):  # a resume would refuse them (Eagle3Draft.load), every time
+        raise ValueError("the draft's weights are not finite: refusing to checkpoint them")
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"ckpt-{ledger.steps:09d}-{ledger.records:09d}"
     tmp = root / f".{final.name}.tmp"

@@ -11,6 +11,14 @@ Every record's training lands in a durable checkpoint before its offset is commi
 `checkpoint.py`). A held-out slice of the stream (by request id) measures the draft; a
 candidate is published when held-out τ improves, when the held-out set is mostly traffic the last
 candidate was never judged on, or every `publish_every` steps.
+
+Nothing it reads or calls may end it. Records are validated against the target and their topic
+(the consumer skips and counts what is refused, and the offsets committed move past it); a step
+whose loss or gradients are not finite is skipped and counted; weights that are not finite are
+never checkpointed nor published (they are put back to the last checkpoint's). MLflow (publishing,
+metrics) and Kafka (committing offsets) may be away for a while: what failed is retried with capped
+exponential backoff while training goes on. The ledger and the candidate folders keep their newest
+entries only.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import copy
 import dataclasses
 import logging
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -32,8 +41,8 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead
 from tide.producers.assembler import RequestAssembler, record_key
 from tide.producers.consumer import RecordConsumer
-from tide.producers.records import HiddenStateRecord
-from tide.trainers.checkpoint import Ledger, load_checkpoint, save_checkpoint
+from tide.producers.records import HiddenStateRecord, TargetShape
+from tide.trainers.checkpoint import Ledger, finite_weights, load_checkpoint, save_checkpoint
 from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, evaluate, select_vocab
 
 log = logging.getLogger("tide.trainers")
@@ -85,6 +94,13 @@ class OnlineConfig:
     # no new record: train on the replay buffer instead of waiting (a trainer's hardware is there to train)
     replay_when_idle: bool = True
     poll_records: int = 64
+    keep_candidates: int = 3  # candidate folders kept on disk (each is in MLflow once published)
+    # trained keys the ledger remembers to recognise redelivered records (about 30 bytes each, and
+    # the ledger is saved whole with every checkpoint): hours of a busy workload's records
+    ledger_keys: int = 200_000
+    # MLflow or Kafka away: retry after 1 s, 2 s, 4 s ... at most every minute
+    backoff_first_s: float = 1.0
+    backoff_cap_s: float = 60.0
     train: TrainConfig | None = None
 
 
@@ -95,6 +111,29 @@ class Candidate:
     metrics: Metrics
     ledger: Ledger
     gain: float  # held-out tau over the previous candidate's (or the start draft's), same examples
+
+
+@dataclass
+class Backoff:
+    """Capped exponential backoff for a service that may be away: `due()` says whether to try now."""
+
+    first_s: float = 1.0
+    cap_s: float = 60.0
+    failures: int = 0
+    next_at: float = 0.0  # time.monotonic()
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_at
+
+    def failed(self) -> float:
+        """Record a failure; returns the seconds until the next try."""
+        delay = min(self.cap_s, self.first_s * 2**self.failures)
+        self.failures += 1
+        self.next_at = time.monotonic() + delay
+        return delay
+
+    def succeeded(self) -> None:
+        self.failures, self.next_at = 0, 0.0
 
 
 def completion_positions(examples: list[Example]) -> int:
@@ -232,6 +271,7 @@ class OnlineTrainer:
     ):
         self.cfg = cfg
         self.head = head
+        self.start_draft = start_draft
         self.publish = publish
         self.log_metrics = log_metrics
         self._losses: list[float] = []
@@ -251,7 +291,10 @@ class OnlineTrainer:
         if resumed and resumed.optimizer:
             self.trainer.opt.load_state_dict(resumed.optimizer)
         self.trainer.steps = self.ledger.steps
-        self.consumer = RecordConsumer(cfg.bootstrap, [cfg.workload], self.group, head.fingerprint)
+        shape = TargetShape(head.config.hidden_size, head.config.vocab_size)
+        self.consumer = RecordConsumer(
+            cfg.bootstrap, [cfg.workload], self.group, head.fingerprint, shape=shape
+        )
         self.requests = RequestAssembler()  # the draft learns each request whole, as it serves it
         self._waiting: list[Example] = []  # read before the vocabulary was refitted
         self._recent: list[Example] = []  # the last fresh examples: the draft vocabulary's coverage
@@ -267,6 +310,11 @@ class OnlineTrainer:
         # held-out examples captured after this: the last candidate was never judged on them
         self._published_at = time.time()
         self._last_eval = self.ledger.steps
+        # what failed to reach MLflow or Kafka, tried again when its backoff is due
+        self._mlflow = Backoff(cfg.backoff_first_s, cfg.backoff_cap_s)
+        self._kafka = Backoff(cfg.backoff_first_s, cfg.backoff_cap_s)
+        self._unpublished: Candidate | None = None
+        self._uncommitted: dict[str, int] | None = None
         log.info(
             "trainer for %s %s at step %d",
             cfg.workload,
@@ -283,6 +331,7 @@ class OnlineTrainer:
         """Train until `max_steps`, until no record arrived for `idle_seconds`, or until `stop` is set."""
         started = idle_since = time.monotonic()
         while not (stop and stop.is_set()) and not (max_steps and self.ledger.steps >= max_steps):
+            self._retry()
             replaying = self.cfg.replay_when_idle and self.vocab_fitted and bool(self.replay)
             fresh = self._read(0.05 if replaying else 1.0)
             if fresh is None:
@@ -302,12 +351,17 @@ class OnlineTrainer:
         if self.ledger.steps > self._last_eval:
             self._evaluate()  # the last steps count too
         self.checkpoint()
+        self._retry()
         return self.ledger
 
     def _read(self, timeout: float) -> list[Example] | None:
         """New examples from the next poll ([] when all were duplicates or held out; None when idle)."""
         consumed = self.consumer.poll(self.cfg.poll_records, timeout)
-        self.ledger.skipped = self.consumer.stats.skipped
+        stats = self.consumer.stats
+        self.ledger.skipped, self.ledger.refused = stats.skipped, dict(stats.refused)
+        # past refused messages too: poison is skipped once, not read again after every restart
+        for where, position in self.consumer.positions.items():
+            self.ledger.offsets[where] = max(self.ledger.offsets.get(where, 0), position)
         requests = self.requests.flush()
         if not consumed and not requests:
             return None
@@ -322,6 +376,7 @@ class OnlineTrainer:
             self.ledger.trained.add(key)
             self.ledger.records += 1
             requests += self.requests.add(c.record, where, c.offset)
+        self.ledger.trim(self.cfg.ledger_keys)
         fresh: list[Example] = []
         for r in requests:
             held = r.held_out
@@ -374,7 +429,15 @@ class OnlineTrainer:
         self._step(replay_batch(self.replay, self.cfg.batch_size, self.cfg.recent_examples))
 
     def _step(self, examples: list[Example]) -> None:
-        self._losses.append(self.trainer.step(examples))
+        before = self.trainer.steps
+        loss = self.trainer.step(examples)
+        if self.trainer.steps == before:  # inf or NaN in the loss or the gradients: no update was made
+            self.ledger.nonfinite_steps += 1
+            log.warning(
+                "skipped a step with a non-finite loss or gradient (%d so far)", self.ledger.nonfinite_steps
+            )
+            return
+        self._losses.append(loss)
         self.ledger.steps = self.trainer.steps
         if self.ledger.steps % self.cfg.eval_every == 0:
             self._evaluate()
@@ -436,13 +499,12 @@ class OnlineTrainer:
             return
         m = self.trainer.evaluate(self.held_out)
         self._last_eval = self.ledger.steps
-        if self.log_metrics is not None:
+        log_metrics, steps = self.log_metrics, self.ledger.steps
+        if log_metrics is not None and self._mlflow.due():  # metrics are dropped while MLflow is away
             train_loss = sum(self._losses) / max(1, len(self._losses))
-            self.log_metrics(
-                self.ledger.steps,
-                {"train_loss": train_loss, "eval_loss": m.loss, "tau": m.tau[-1], "top1": m.top1[0],
-                 "records": float(self.ledger.records), "redeliveries": float(self.ledger.redeliveries)},
-            )  # fmt: skip
+            metrics = {"train_loss": train_loss, "eval_loss": m.loss, "tau": m.tau[-1], "top1": m.top1[0],
+                       "records": float(self.ledger.records), "redeliveries": float(self.ledger.redeliveries)}  # fmt: skip
+            self._call(self._mlflow, "log metrics", lambda: log_metrics(steps, metrics))
         self._losses = []
         # the held-out set follows the traffic, so the last candidate is measured again on the same examples
         before = evaluate(self.published, self.lm_head, self.held_out, self.trainer.cfg).tau[-1]
@@ -456,6 +518,8 @@ class OnlineTrainer:
             self._publish(m, gain)
 
     def _publish(self, m: Metrics, gain: float) -> None:
+        if not self._weights_ok():
+            return
         self.ledger.candidates += 1
         version = f"{self.cfg.workload}-s{self.ledger.steps}-{time.strftime('%Y%m%d%H%M%S')}"
         folder = self.cfg.state_dir / "candidates" / version
@@ -464,12 +528,77 @@ class OnlineTrainer:
         self.published = copy.deepcopy(self.draft).eval()
         self._last_publish = self.ledger.steps
         self._published_at = time.time()
-        if self.publish is not None:
-            self.publish(Candidate(folder, version, m, self.ledger, gain))
+        # the ledger as it is now: a retry after an outage describes the candidate, not later training
+        ledger = dataclasses.replace(self.ledger, offsets=dict(self.ledger.offsets),
+                                     first_offsets=dict(self.ledger.first_offsets))  # fmt: skip
+        self._unpublished = Candidate(folder, version, m, ledger, gain)  # a newer one replaces a waiting one
+        self._retry()
+        self._trim_candidates()
+
+    def _trim_candidates(self) -> None:
+        """Retention: the newest `keep_candidates` folders (never one still waiting to be published)."""
+        ours = []
+        for f in (self.cfg.state_dir / "candidates").iterdir():
+            _, steps, stamp = f.name.rsplit("-", 2) if f.name.count("-") >= 2 else ("", "", "")
+            if f.is_dir() and steps[:1] == "s" and steps[1:].isdigit() and stamp.isdigit():  # see `_publish`
+                ours.append((stamp, int(steps[1:]), f))
+        ours.sort()
+        waiting = self._unpublished.folder if self._unpublished else None
+        for _, _, old in ours[: max(0, len(ours) - self.cfg.keep_candidates)]:
+            if old != waiting:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _call(self, backoff: Backoff, what: str, call: Callable[[], None]) -> bool:
+        """Call a service that may be away; a failure is counted, logged and retried after a backoff."""
+        try:
+            call()
+        except Exception as e:  # MLflow, S3 and Kafka raise many types; none of them may end the trainer
+            self.ledger.outages += 1
+            log.warning(
+                "could not %s (%s: %s); trying again in %.0f s", what, type(e).__name__, e, backoff.failed()
+            )
+            return False
+        backoff.succeeded()
+        return True
+
+    def _retry(self) -> None:
+        """Publish the waiting candidate and commit the waiting offsets, each when its backoff is due."""
+        c, publish, offsets = self._unpublished, self.publish, self._uncommitted
+        if (
+            c is not None
+            and self._mlflow.due()
+            and (publish is None or self._call(self._mlflow, f"publish {c.version}", lambda: publish(c)))
+        ):
+            self._unpublished = None
+        if (
+            offsets is not None
+            and self._kafka.due()
+            and self._call(self._kafka, "commit offsets", lambda: self.consumer.commit_offsets(offsets))
+        ):
+            self._uncommitted = None
+
+    def _weights_ok(self) -> bool:
+        """Finite weights; else they are put back to the last checkpoint's (or the start draft's).
+        Skipping non-finite steps should keep them finite: this is the last line, before anything
+        is saved."""
+        if finite_weights(self.draft):
+            return True
+        self.ledger.reverts += 1
+        resumed = load_checkpoint(self.ckpt_dir)
+        source = resumed.draft_dir if resumed else self.start_draft
+        log.error("the draft's weights are not finite: back to %s (revert %d)", source, self.ledger.reverts)
+        head = self.head
+        self.draft = Eagle3Draft.load(source, head.embed, head.config, head.fingerprint, torch.float32)
+        self.trainer = self._new_trainer()
+        self.trainer.steps = self.ledger.steps
+        if resumed and resumed.optimizer:
+            self.trainer.opt.load_state_dict(resumed.optimizer)
+        return False
 
     def checkpoint(self) -> None:
         """Make the training so far durable, then commit the offsets it covers."""
         self._train([], force=True)  # records read but held back for the vocabulary are trained first
+        self._weights_ok()
         # records of requests still being assembled are not covered: a resumed trainer reads them again
         holding, held = self.requests.holding(), self.requests.keys()
         ledger = dataclasses.replace(
@@ -480,7 +609,10 @@ class OnlineTrainer:
         )
         save_checkpoint(self.ckpt_dir, ledger, self.draft, self.trainer.opt, self.replay, self.held_out)
         self._fresh_steps = 0
-        self.consumer.commit_offsets(ledger.offsets)
+        # the checkpoint holds them: a commit that fails only means records delivered again, which the
+        # ledger recognises; the newest offsets are the ones to commit
+        self._uncommitted = ledger.offsets
+        self._retry()
 
     def close(self) -> None:
         self.consumer.close()

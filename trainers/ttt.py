@@ -9,6 +9,7 @@ draft vocabulary: the trainer needs the target's LM head, never the target itsel
 from __future__ import annotations
 
 import functools
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -263,7 +264,8 @@ class Trainer:
         self.cfg = cfg
         params = [p for p in draft.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.steps = 0
+        self.steps = 0  # updates made
+        self.skipped = 0  # steps not taken: their loss or gradients were not finite
         self.device_type = self.lm_head.device.type
         self.autocast = bf16_is_fast(self.device_type) if cfg.autocast is None else cfg.autocast
 
@@ -278,11 +280,20 @@ class Trainer:
                 self.draft, self.lm_head, batch, self.cfg.ttt_steps, self.cfg.step_weight
             )
         self.opt.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        # an inf or NaN step would make every weight NaN for good: no update (`steps` stays, `skipped` counts)
+        if not math.isfinite(value):
+            self.skipped += 1
+            return value
         loss.backward()
-        nn.utils.clip_grad_norm_(self.draft.parameters(), 0.5)
+        norm = nn.utils.clip_grad_norm_(self.draft.parameters(), 0.5)
+        if not bool(torch.isfinite(norm)):
+            self.opt.zero_grad(set_to_none=True)
+            self.skipped += 1
+            return value
         self.opt.step()
         self.steps += 1
-        return float(loss.detach())
+        return value
 
     def evaluate(self, examples: list[Example]) -> Metrics:
         self.draft.eval()
