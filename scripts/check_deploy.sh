@@ -2,6 +2,8 @@
 # What cannot run on a machine without a Docker engine or a cluster, rendered and validated instead:
 # `docker compose config` for every profile, `kustomize build` of the base and of each overlay, and
 # kubeconform over the result against the Kubernetes schemas (plus KEDA's ScaledObject).
+# Neither has committed credentials: both render with random ones that `tide secrets` makes here, in a
+# temporary folder (the k8s tree is copied there, so its git-ignored Secret env files are test values).
 # The tools come from the Go module proxy and are built once into ~/.cache/tide/tools.
 # `check_deploy.sh tools` only builds them and fetches the schema sources (no Python needed): `make`
 # runs it beside the pip install, one downloading while the other compiles.
@@ -45,18 +47,23 @@ if [ ! -d "$schemas" ]; then
 fi
 [ "$MODE" = tools ] && exit 0
 
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cp -r infra/k8s "$work/k8s"
+rm -f "$work"/k8s/base/secrets/*.env  # the real ones, if this checkout has them, stay out of the check
+"$(dirname "$PY")/tide" secrets --data "$work/state" --k8s "$work/k8s/base/secrets" > /dev/null
+
 echo "== docker compose config"
-plugins=$(mktemp -d)
+plugins=$work/docker
 mkdir -p "$plugins/cli-plugins" && ln -s "$GOBIN/docker-compose" "$plugins/cli-plugins/docker-compose"
 for profile in cpu gpu; do
-    if command -v docker > /dev/null; then
-        DOCKER_CONFIG=$plugins docker compose --profile "$profile" config --quiet
+    if command -v docker > /dev/null && DOCKER_CONFIG=$plugins docker compose version > /dev/null 2>&1; then
+        DOCKER_CONFIG=$plugins docker compose --env-file "$work/state/secrets.env" --profile "$profile" config --quiet
     else
-        "$GOBIN/docker-compose" --profile "$profile" config --quiet
+        "$GOBIN/docker-compose" --env-file "$work/state/secrets.env" --profile "$profile" config --quiet
     fi
     echo "compose profile $profile: valid"
 done
-rm -rf "$plugins"
 
 echo "== kubeconform"
 if [ ! -d "$schemas" ]; then
@@ -64,7 +71,8 @@ if [ ! -d "$schemas" ]; then
         --crd "$keda/config/crd/bases/keda.sh_scaledobjects.yaml" --out "$schemas.tmp"
     mv "$schemas.tmp" "$schemas"
 fi
-for dir in infra/k8s/base infra/k8s/overlays/*/; do
+for dir in "$work"/k8s/base "$work"/k8s/overlays/*/; do
+    echo "${dir#"$work"/}"
     "$GOBIN/kustomize" build "$dir" | "$GOBIN/kubeconform" -strict -summary \
         -schema-location "$schemas/{{ .ResourceKind }}_{{ .Group }}_{{ .ResourceAPIVersion }}.json" -
 done

@@ -5,6 +5,10 @@ a local S3 server with `--s3`), the default draft (trained once, then cached), a
 workload, the gate and a serving node. Every part runs in its own process and session, so Ctrl-C
 reaches `tide up` alone, which stops them all, newest first. Where everything listens is written to
 `<data>/stack.json`, which `tide status` reads.
+
+Secrets (`StackSecrets`: S3 keys per role, the Postgres password of the container stacks) are random,
+made once and kept in `<data>/secrets.env` (0600), which `docker compose --env-file` also reads. Every
+service listens on `--host`, 127.0.0.1 unless asked.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,73 @@ class StackConfig:
     extra: dict[str, list[str]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StackSecrets:
+    """The stack's credentials, one S3 account per role: root (the S3 server alone), trainer (writes the
+    artifact bucket: trainers, MLflow, the stack's starting draft) and serving (reads it: serving nodes and
+    the gate); the Postgres password is the container stacks' (MLflow's database). Names as in compose."""
+
+    TIDE_S3_ROOT_ACCESS_KEY: str
+    TIDE_S3_ROOT_SECRET_KEY: str
+    TIDE_S3_TRAINER_ACCESS_KEY: str
+    TIDE_S3_TRAINER_SECRET_KEY: str
+    TIDE_S3_SERVING_ACCESS_KEY: str
+    TIDE_S3_SERVING_SECRET_KEY: str
+    TIDE_POSTGRES_PASSWORD: str
+
+    @classmethod
+    def generate(cls) -> StackSecrets:
+        # hex: safe in env files, URLs (the database URI) and YAML, never quoted
+        return cls(**{f.name: secrets.token_hex(20) for f in fields(cls)})
+
+    @classmethod
+    def load_or_create(cls, path: Path) -> StackSecrets:
+        """The secrets kept at `path`, with any missing (a file from an older version) made and written."""
+        old: dict[str, str] = {}
+        if path.exists():
+            lines = path.read_text().splitlines()
+            old = dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+        made = cls(**{f.name: old.get(f.name) or secrets.token_hex(20) for f in fields(cls)})
+        if set(old) != {f.name for f in fields(cls)} or path.stat().st_mode & 0o077:
+            made.write(path)
+        return made
+
+    def write(self, path: Path) -> None:
+        """`path` as KEY=VALUE lines, readable by its owner alone (0600 from the first byte)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write("# tide: generated secrets, keep private\n")
+            out.writelines(f"{k}={v}\n" for k, v in asdict(self).items())
+        os.replace(tmp, path)
+
+    def write_k8s(self, folder: Path) -> list[Path]:
+        """The env files the k8s base's secretGenerator reads (infra/k8s/base/secrets/, git-ignored)."""
+        files = {
+            "s3-root.env": {"ROOT_ACCESS_KEY_ID": self.TIDE_S3_ROOT_ACCESS_KEY,
+                            "ROOT_SECRET_ACCESS_KEY": self.TIDE_S3_ROOT_SECRET_KEY},
+            "s3-trainer.env": {"AWS_ACCESS_KEY_ID": self.TIDE_S3_TRAINER_ACCESS_KEY,
+                               "AWS_SECRET_ACCESS_KEY": self.TIDE_S3_TRAINER_SECRET_KEY},
+            "s3-serving.env": {"AWS_ACCESS_KEY_ID": self.TIDE_S3_SERVING_ACCESS_KEY,
+                               "AWS_SECRET_ACCESS_KEY": self.TIDE_S3_SERVING_SECRET_KEY},
+            "postgres.env": {"POSTGRES_PASSWORD": self.TIDE_POSTGRES_PASSWORD},
+        }  # fmt: skip
+        folder.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, values in files.items():
+            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.writelines(f"{k}={v}\n" for k, v in values.items())
+            os.chmod(folder / name, 0o600)  # a file that was there keeps its mode through O_CREAT
+            written.append(folder / name)
+        return written
+
+
+def secrets_path(data_dir: Path) -> Path:
+    return data_dir / "secrets.env"
+
+
 @dataclass
 class Part:
     """A `tide` process of the stack."""
@@ -49,10 +121,15 @@ class Part:
     name: str
     proc: subprocess.Popen[bytes]
     log: Path
+    role: str = ""  # whose S3 account it holds: "trainer" or "serving"
+    args: list[str] = field(default_factory=list)  # its `tide` command, to start it again as it was
 
 
 class StackError(RuntimeError):
     pass
+
+
+BUCKET = MlflowServer.bucket  # S3 mode: MLflow's artifacts
 
 
 def _tide() -> str:
@@ -66,6 +143,8 @@ class Stack:
         self.parts: list[Part] = []
         self.kafka: KafkaBroker | None = None
         self.mlflow: MlflowServer | None = None
+        self.secrets = StackSecrets.load_or_create(secrets_path(cfg.data_dir))
+        self.role_env: dict[str, dict[str, str]] = {}  # S3 mode: "trainer"/"serving" -> that account's env
 
     @property
     def endpoint(self) -> str:
@@ -78,16 +157,18 @@ class Stack:
     def start_step(self, step: str) -> None:
         cfg, data = self.cfg, self.cfg.data_dir
         if step == "kafka":
-            self.kafka = KafkaBroker(data / "kafka", heap="-Xmx384m -Xms64m").start()
+            self.kafka = KafkaBroker(data / "kafka", heap="-Xmx384m -Xms64m", host=cfg.host).start()
             self.services.append(self.kafka)
         elif step == "s3":
-            s3 = S3Server(data / "s3").start()
+            s3 = self.s3_server().start()
             self.services.append(s3)
-            # the stack registers its starting draft itself, and every part it starts reaches S3 too
-            os.environ.update(s3.env)
+            self._s3_accounts(s3)
+            # the stack registers its starting draft itself, with the trainers' account
+            os.environ.update(self.role_env["trainer"])
         elif step == "mlflow":
             s3 = next((s for s in self.services if isinstance(s, S3Server)), None)
-            self.mlflow = MlflowServer(data / "mlflow", cfg.mlflow_port, s3=s3).start()
+            self.mlflow = MlflowServer(data / "mlflow", cfg.mlflow_port, cfg.host, s3=s3, bucket=BUCKET,
+                                       env=self.role_env.get("trainer", {})).start()  # fmt: skip
             self.services.append(self.mlflow)
         elif step == "draft" and cfg.draft is None:
             self._run_once(["draft", "ensure-default", *self._model()], "draft.log")
@@ -96,23 +177,42 @@ class Stack:
         elif step == "trainer":
             for w in cfg.workloads:
                 draft = ["--start-draft", str(cfg.draft)] if cfg.draft else []
-                self._spawn(f"trainer:{w}", ["train", "--kafka", self.bootstrap, "--workload", w, "--mlflow",
-                                             self.registry, "--state-dir", str(data / "trainers" / w), *draft,
-                                             *self._model(), *cfg.extra.get("train", [])])  # fmt: skip
+                self._spawn(f"trainer:{w}", "trainer",
+                            ["train", "--kafka", self.bootstrap, "--workload", w, "--mlflow", self.registry,
+                             "--state-dir", str(data / "trainers" / w), *draft, *self._model(),
+                             *cfg.extra.get("train", [])])  # fmt: skip
         elif step == "gate":
             self._spawn(
                 "gate",
+                "serving",  # the gate reads candidates and champions; it writes tags through MLflow
                 ["gate", "--mlflow", self.registry, "--kafka", self.bootstrap, *self._model(),
                  *cfg.extra.get("gate", [])],
             )  # fmt: skip
         elif step == "serving":
             draft = ["--draft", str(cfg.draft)] if cfg.draft else []
-            self._spawn("serving", ["serve", "--host", cfg.host, "--port", str(cfg.port), "--gamma", "auto",
-                                    "--kafka", self.bootstrap, "--capture", "*=auto", "--registry", self.registry,
-                                    "--workloads", ",".join(cfg.workloads), *draft, *self._model(),
-                                    *cfg.extra.get("serve", [])])  # fmt: skip
+            self._spawn("serving", "serving",
+                        ["serve", "--host", cfg.host, "--port", str(cfg.port), "--gamma", "auto", "--kafka",
+                         self.bootstrap, "--capture", "*=auto", "--registry", self.registry, "--workloads",
+                         ",".join(cfg.workloads), *draft, *self._model(), *cfg.extra.get("serve", [])])  # fmt: skip
             self._wait_serving(600)
         self._write_state()
+
+    def s3_server(self) -> S3Server:
+        """The local S3 server: root keys from the stack's secrets, its own accounts per role."""
+        root = (self.secrets.TIDE_S3_ROOT_ACCESS_KEY, self.secrets.TIDE_S3_ROOT_SECRET_KEY)
+        return S3Server(self.cfg.data_dir / "s3", host=self.cfg.host, access_key=root[0], secret_key=root[1],
+                        users=True)  # fmt: skip
+
+    def _s3_accounts(self, s3: S3Server) -> None:
+        """The trainer account writes the artifact bucket, the serving account only reads it; root stays here."""
+        sec = self.secrets
+        keys = {"trainer": (sec.TIDE_S3_TRAINER_ACCESS_KEY, sec.TIDE_S3_TRAINER_SECRET_KEY),
+                "serving": (sec.TIDE_S3_SERVING_ACCESS_KEY, sec.TIDE_S3_SERVING_SECRET_KEY)}  # fmt: skip
+        s3.ensure_bucket(BUCKET)
+        for access, secret in keys.values():
+            s3.add_user(access, secret)
+        s3.grant(BUCKET, readers=[keys["serving"][0]], writers=[keys["trainer"][0]])
+        self.role_env = {role: s3.env_for(*k) for role, k in keys.items()}
 
     def _register_start_draft(self) -> None:
         """The draft the stack starts from is the `default` workload's first champion, so the registry
@@ -143,13 +243,14 @@ class Stack:
     def _model(self) -> list[str]:
         return ["--model", self.cfg.model] if self.cfg.model else []
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, role: str, args: list[str]) -> None:
         log = self.cfg.data_dir / "logs" / f"{name.replace(':', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.role_env.get(role, {})}  # S3 mode: the role's account, never root
         with log.open("ab") as out:
             proc = subprocess.Popen([_tide(), *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
-        self.parts.append(Part(name, proc, log))
+                                    env=env, start_new_session=True)  # fmt: skip
+        self.parts.append(Part(name, proc, log, role, args))
 
     def _run_once(self, args: list[str], log_name: str) -> None:
         log = self.cfg.data_dir / "logs" / log_name

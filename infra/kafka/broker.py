@@ -94,6 +94,8 @@ class KafkaBroker(LocalService):
     data_dir: Path
     port: int | None = None
     controller_port: int | None = None
+    # the clients' listener (0.0.0.0: every interface); the controller stays on the loopback
+    host: str = "127.0.0.1"
     heap: str = "-Xmx256m -Xms64m"
     max_message_bytes: int = 2 * 1024 * 1024
     extra: dict[str, str] = field(default_factory=dict)
@@ -102,7 +104,11 @@ class KafkaBroker(LocalService):
     def bootstrap(self) -> str:
         if self.port is None:
             raise BrokerError("the broker has no port yet: call start() first")
-        return f"127.0.0.1:{self.port}"
+        return f"{self._client_host}:{self.port}"
+
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
 
     @property
     def log_path(self) -> Path:
@@ -121,8 +127,8 @@ class KafkaBroker(LocalService):
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}",
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "listeners": f"PLAINTEXT://{self.host}:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{self._client_host}:{self.port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
@@ -199,7 +205,7 @@ class KafkaBroker(LocalService):
 
     def _accepts(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port or 0), timeout=1):
+            with socket.create_connection((self._client_host, self.port or 0), timeout=1):
                 return True
         except OSError:
             return False

@@ -9,14 +9,16 @@ cache; buckets are folders under data_dir/objects and objects are plain files, s
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +82,14 @@ def _xattrs_supported(path: Path) -> bool:
         return False
 
 
+def _random_key() -> str:
+    return secrets.token_hex(20)  # hex: safe in env files, URLs and command lines
+
+
 @dataclass
 class S3Server(LocalService):
-    """One versitygw process serving the folders under data_dir/objects as buckets, with one root account.
+    """One versitygw process serving the folders under data_dir/objects as buckets, with one root account
+    (random keys unless given) and, with `users`, accounts of its own (`add_user`, kept in data_dir/iam).
 
     A port left as None is picked at start and then kept, so `restart()` comes back where clients expect it.
     """
@@ -90,9 +97,10 @@ class S3Server(LocalService):
     data_dir: Path
     port: int | None = None
     host: str = "127.0.0.1"
-    access_key: str = "tide"
-    secret_key: str = "tide-secret-key"  # a fixed development secret: the server is for tests and local use
+    access_key: str = field(default_factory=_random_key)
+    secret_key: str = field(default_factory=_random_key, repr=False)
     region: str = "us-east-1"
+    users: bool = False  # versitygw's internal IAM: per-role accounts besides root
 
     @property
     def endpoint_url(self) -> str:
@@ -104,10 +112,14 @@ class S3Server(LocalService):
     @property
     def env(self) -> dict[str, str]:
         """What boto3 clients (MLflow's artifact store among them) need in their environment to reach this server."""
+        return self.env_for(self.access_key, self.secret_key)
+
+    def env_for(self, access_key: str, secret_key: str) -> dict[str, str]:
+        """`env` for another account of this server (one made by `add_user`)."""
         return {
             "MLFLOW_S3_ENDPOINT_URL": self.endpoint_url,
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_ACCESS_KEY_ID": access_key,
+            "AWS_SECRET_ACCESS_KEY": secret_key,
             "AWS_DEFAULT_REGION": self.region,
         }
 
@@ -125,7 +137,8 @@ class S3Server(LocalService):
         if not _xattrs_supported(self.objects_dir):  # the sidecar must live outside the gateway's root
             (self.data_dir / "meta").mkdir(exist_ok=True)
             meta = ["--sidecar", str(self.data_dir / "meta")]
-        return [str(binary), "--port", f"{self.host}:{self.port}", "--region", self.region, "--quiet",
+        iam = ["--iam-dir", str(self.data_dir / "iam")] if self.users else []
+        return [str(binary), "--port", f"{self.host}:{self.port}", "--region", self.region, "--quiet", *iam,
                 "posix", *meta, str(self.objects_dir)]  # fmt: skip
 
     def start(self, timeout: float = 30) -> S3Server:
@@ -135,6 +148,8 @@ class S3Server(LocalService):
         binary = versitygw_binary()
         self.data_dir = Path(self.data_dir).resolve()
         self.objects_dir.mkdir(parents=True, exist_ok=True)
+        if self.users:
+            (self.data_dir / "iam").mkdir(mode=0o700, exist_ok=True)  # the accounts' secrets, in clear
         self.port = self.port or free_port()
         # the caller's VGW_* settings (an IAM dir, TLS, ...) would change what this server is
         env = {k: v for k, v in os.environ.items() if not k.startswith("VGW_")}
@@ -160,19 +175,53 @@ class S3Server(LocalService):
                 raise S3Error(f"versitygw did not answer within {timeout:.0f} s ({last}):\n{self.log_tail()}")
             time.sleep(0.1)
 
-    def client(self, **config: Any) -> Any:
-        """A boto3 S3 client for this server (path-style addressing; `config` goes to botocore's Config)."""
+    def client(self, access_key: str | None = None, secret_key: str | None = None, **config: Any) -> Any:
+        """A boto3 S3 client for this server as root, or as the account given (path-style addressing;
+        `config` goes to botocore's Config)."""
         import boto3
         from botocore.config import Config
 
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint_url,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
+            aws_access_key_id=access_key or self.access_key,
+            aws_secret_access_key=secret_key or self.secret_key,
             region_name=self.region,
             config=Config(s3={"addressing_style": "path"}, **config),
         )
+
+    def add_user(self, access_key: str, secret_key: str, role: str = "user") -> None:
+        """Create an account (versitygw's admin API, signed as root; the keys travel in the body, out of
+        `ps`). A `user` sees only the buckets it owns or that a bucket policy opens to it."""
+        import httpx
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        if not self.users:
+            raise S3Error("add_user needs a server started with users=True")
+        account = {
+            "Access": access_key,
+            "Secret": secret_key,
+            "Role": role,
+        }  # keys are hex: nothing to escape
+        body = ("<Account>" + "".join(f"<{k}>{v}</{k}>" for k, v in account.items()) + "</Account>").encode()
+        req = AWSRequest("PATCH", f"{self.endpoint_url}/create-user", data=body)
+        S3SigV4Auth(Credentials(self.access_key, self.secret_key), "s3", self.region).add_auth(req)
+        res = httpx.request("PATCH", req.url, content=body, headers=dict(req.headers.items()), timeout=10)
+        if res.status_code >= 400 and "already exists" not in res.text.lower():
+            raise S3Error(f"create-user {access_key}: {res.status_code} {res.text}")
+
+    def grant(self, bucket: str, readers: list[str], writers: list[str]) -> None:
+        """The bucket's policy: `readers` may list and read its objects, `writers` also write and delete them."""
+        read = ["s3:ListBucket", "s3:GetObject"]
+        write = [*read, "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
+                 "s3:ListMultipartUploadParts"]  # fmt: skip
+        resources = [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]
+        statements = [{"Effect": "Allow", "Principal": {"AWS": keys}, "Action": actions, "Resource": resources}
+                      for keys, actions in ((readers, read), (writers, write)) if keys]  # fmt: skip
+        policy = {"Version": "2012-10-17", "Statement": statements}
+        self.client().put_bucket_policy(Bucket=bucket, Policy=json.dumps(policy))
 
     def ensure_bucket(self, name: str) -> None:
         from botocore.exceptions import ClientError
