@@ -415,7 +415,11 @@ def gate(
 @app.command("up")
 def up(
     data: Path | None = typer.Option(None, "--data", help="state, logs and data (default: <cache>/stack)"),
-    host: str = typer.Option("127.0.0.1", "--host"),
+    host: str = typer.Option(
+        "127.0.0.1",
+        "--host",
+        help="where every part listens: serving, MLflow, Kafka, S3 (0.0.0.0: everywhere)",
+    ),
     port: int = typer.Option(8000, "--port", help="the HTTP endpoint"),
     mlflow_port: int = typer.Option(5000, "--mlflow-port", help="the MLflow UI"),
     workloads: str = typer.Option(
@@ -489,6 +493,26 @@ def up(
         raise typer.Exit(2) from None
     finally:
         stack.stop()
+
+
+@app.command("secrets")
+def secrets_cmd(
+    data: Path | None = typer.Option(
+        None, "--data", help="the `tide up` data folder (default: <cache>/stack)"
+    ),
+    k8s: Path | None = typer.Option(
+        None, "--k8s", help="also write the k8s base's Secret env files here (infra/k8s/base/secrets)"
+    ),
+) -> None:
+    """The stack's credentials (random, made once, 0600): prints the file for `docker compose --env-file`."""
+    from tide.config import cache_dir
+    from tide.stack import StackSecrets, secrets_path
+
+    path = secrets_path(data or cache_dir() / "stack")
+    made = StackSecrets.load_or_create(path)
+    if k8s is not None:
+        made.write_k8s(k8s)
+    typer.echo(str(path))
 
 
 @app.command("status")
