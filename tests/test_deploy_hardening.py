@@ -95,6 +95,13 @@ def test_compose_containers_are_not_root_and_are_limited(services: dict[str, dic
             assert port.get("host_ip") == "127.0.0.1", f"{name} publishes {port} beyond the loopback"
 
 
+def test_image_runs_as_its_own_user(services: dict[str, dict[str, Any]]) -> None:
+    users = [line.split()[1] for line in (ROOT / "infra/docker/Dockerfile").read_text().splitlines()
+             if line.startswith("USER ")]  # fmt: skip
+    assert users and users[-1] == "10001:10001"  # the last USER is the one containers start as
+    assert {svc["user"] for svc in services.values() if str(svc["image"]).startswith("tide:")} == {users[-1]}
+
+
 def test_compose_credentials_per_role(services: dict[str, dict[str, Any]], made: StackSecrets) -> None:
     def holders(value: str) -> set[str]:
         return {name for name, svc in services.items() if value in json.dumps(svc)}
@@ -309,3 +316,70 @@ def test_stack_s3_roles_through_mlflow(tmp_path: Path, monkeypatch: pytest.Monke
         assert "AccessDenied" in lines[-1], lines[-1]
     finally:
         stack.stop()
+
+
+AWS_CLI = """#!{python}
+# `aws --endpoint-url URL s3api OP --bucket B [--policy P]`, the calls of the setup jobs, made with boto3
+import sys
+
+import boto3
+from botocore.config import Config
+
+args = sys.argv[1:]
+endpoint, op, bucket = (args[args.index(flag) + 1] for flag in ("--endpoint-url", "s3api", "--bucket"))
+s3 = boto3.client("s3", endpoint_url=endpoint, config=Config(s3={{"addressing_style": "path"}}))
+try:
+    if op == "head-bucket":
+        s3.head_bucket(Bucket=bucket)
+    elif op == "create-bucket":
+        s3.create_bucket(Bucket=bucket)
+    elif op == "put-bucket-policy":
+        s3.put_bucket_policy(Bucket=bucket, Policy=args[args.index("--policy") + 1])
+    else:
+        sys.exit(f"unexpected: {{args}}")
+except Exception as e:
+    sys.exit(str(e))
+"""
+
+
+@pytest.mark.parametrize("where", ["compose", "k8s"])
+def test_setup_jobs_make_the_accounts_and_the_policy(
+    where: str, services: dict[str, dict[str, Any]], k8s: dict[str, list[dict[str, Any]]], made: StackSecrets,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The S3 setup jobs' own scripts (compose's s3-accounts and s3-bucket, the k8s s3-bucket Job), run
+    against a real versitygw (its admin CLI as the jobs run it; `aws` as a boto3 stand-in): the serving
+    account reads the bucket and cannot write it, the trainer account writes it."""
+    from tide.infra.s3.server import versitygw_binary
+
+    if where == "compose":
+        # `config` writes `$` as `$$`, so that its output loads again; compose hands the job `$`
+        jobs = [(services[n]["command"][0].replace("$$", "$"), services[n]["environment"])
+                for n in ("s3-accounts", "s3-bucket")]  # fmt: skip
+    else:
+        job = next(p for name, p in pods(k8s["base"]) if name == "s3-bucket")
+        keys = {"ADMIN_ACCESS_KEY_ID": made.TIDE_S3_ROOT_ACCESS_KEY, "ADMIN_SECRET_ACCESS_KEY": made.TIDE_S3_ROOT_SECRET_KEY,
+                "TRAINER_ACCESS_KEY": made.TIDE_S3_TRAINER_ACCESS_KEY, "TRAINER_SECRET_KEY": made.TIDE_S3_TRAINER_SECRET_KEY,
+                "SERVING_ACCESS_KEY": made.TIDE_S3_SERVING_ACCESS_KEY, "SERVING_SECRET_KEY": made.TIDE_S3_SERVING_SECRET_KEY,
+                "ADMIN_ENDPOINT_URL": "http://s3:7070", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+        jobs = [(c["args"][0], keys) for c in containers(job)]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "aws").write_text(AWS_CLI.format(python=sys.executable))
+    (bin_dir / "aws").chmod(0o755)
+    (bin_dir / "versitygw").symlink_to(versitygw_binary())
+    root = (made.TIDE_S3_ROOT_ACCESS_KEY, made.TIDE_S3_ROOT_SECRET_KEY)
+    with S3Server(tmp_path / "s3", access_key=root[0], secret_key=root[1], users=True) as s3:
+        for _ in range(2):  # a job run again (a restart) finds its work done
+            for script, job_env in jobs:
+                env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+                env |= {k: str(v).replace("http://s3:7070", s3.endpoint_url) for k, v in job_env.items()}
+                script = script.replace("http://s3:7070", s3.endpoint_url)
+                res = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True)
+                assert res.returncode == 0, res.stdout + res.stderr
+        trainer = s3.client(made.TIDE_S3_TRAINER_ACCESS_KEY, made.TIDE_S3_TRAINER_SECRET_KEY)
+        serving = s3.client(made.TIDE_S3_SERVING_ACCESS_KEY, made.TIDE_S3_SERVING_SECRET_KEY)
+        trainer.put_object(Bucket="tide", Key="mlflow/x", Body=b"draft")
+        assert serving.get_object(Bucket="tide", Key="mlflow/x")["Body"].read() == b"draft"
+        with pytest.raises(ClientError, match="AccessDenied"):
+            serving.put_object(Bucket="tide", Key="mlflow/x", Body=b"tampered")
