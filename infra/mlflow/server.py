@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="a local MLflow tracking server, in the foreground")
     parser.add_argument("--data", type=Path, default=Path.home() / ".cache" / "tide" / "mlflow")
     parser.add_argument("--port", type=int, default=5000)
+    parser.add_argument("--host", default=MlflowServer.host, help="listen address (0.0.0.0: every interface)")
     parser.add_argument(
         "--s3", action="store_true", help="artifacts in a local S3 server (versitygw) in DATA/s3"
     )
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     s3 = S3Server(args.data / "s3").start() if args.s3 else None
     server: MlflowServer | None = None
     try:
-        server = MlflowServer(args.data, args.port, s3=s3, bucket=args.bucket).start()
+        server = MlflowServer(args.data, args.port, args.host, s3=s3, bucket=args.bucket).start()
         print(f"MLflow UI: {server.url}", flush=True)
         if s3 is not None:
             print(f"artifacts: {server.artifact_root} on {s3.endpoint_url}; clients need:", flush=True)
