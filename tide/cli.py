@@ -423,7 +423,9 @@ def up(
     port: int = typer.Option(8000, "--port", help="the HTTP endpoint"),
     mlflow_port: int = typer.Option(5000, "--mlflow-port", help="the MLflow UI"),
     workloads: str = typer.Option(
-        "default", "--workloads", help="one trainer per workload, e.g. 'default,code'"
+        "default",
+        "--workloads",
+        help="one trainer per workload, e.g. 'default,code'; the node serves other names as 'default'",
     ),
     s3: bool = typer.Option(False, "--s3", help="MLflow artifacts in a local S3 server (versitygw)"),
     draft: Path | None = typer.Option(
@@ -439,11 +441,11 @@ def up(
     """The whole loop on this machine: Kafka, MLflow, trainers, the gate and a serving node. Ctrl-C stops it."""
     import shlex
     import signal
+    import time
 
     from tqdm import tqdm
 
     from tide.config import cache_dir
-    from tide.infra.process import log_tail
     from tide.serving.capture import check_workload
     from tide.stack import Stack, StackConfig, StackError
 
@@ -483,9 +485,10 @@ def up(
         typer.echo(
             f"logs:          {cfg.data_dir / 'logs'}   (`tide status` shows each part; Ctrl-C stops them all)"
         )
-        dead = stack.watch()
-        typer.echo(f"error: {dead.name} exited; stopping the stack\n{log_tail(dead.log)}", err=True)
-        raise typer.Exit(1)
+        while True:  # what dies starts again: a lost part degrades the loop, it never stops serving
+            for name in stack.revive():
+                typer.echo(f"{name} had stopped: started again", err=True)
+            time.sleep(1.0)
     except KeyboardInterrupt:
         typer.echo("stopping")
     except StackError as e:
@@ -743,6 +746,54 @@ def bench_training(
     keys = ("speedup", "speedup_expected", "decode_share", "tide_tau", "baseline_tau", "storage_ratio",
             "codec_factor", "retention_factor", "positions")  # fmt: skip
     typer.echo(json.dumps({k: report[k] for k in keys}, indent=2))
+    typer.echo(f"report: {out}")
+
+
+@bench_app.command("faults")
+def bench_faults(
+    minutes: float = typer.Option(
+        10.0, "--minutes", help="how long the load runs (faults start after warm-up)"
+    ),
+    clients: int = typer.Option(3, "--clients", help="well-formed clients, one request in flight each"),
+    max_tokens: int = typer.Option(48, "--max-tokens"),
+    warmup: float = typer.Option(60.0, "--warmup", help="seconds before the first fault"),
+    draft: Path | None = typer.Option(
+        None, "--draft", help="the starting draft (default: the default draft)"
+    ),
+    model: str | None = typer.Option(None, "--model"),
+    work_dir: Path | None = typer.Option(
+        None, "--work-dir", help="keep the stack's state and logs here (default: removed after the run)"
+    ),
+    out: Path = typer.Option(Path("out/bench_faults.json"), "--out"),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG: load, faults and latency over time"),
+    verbose: bool = typer.Option(False, "--verbose"),
+) -> None:
+    """The whole stack under steady load while restarts, kills, poison records and bad drafts strike."""
+    from tide.bench.faults import FaultsBenchConfig, plot_faults_report, run_faults_bench
+
+    _setup_logging(verbose)
+    if minutes * 60 < warmup + 120:
+        raise typer.BadParameter("leave at least two minutes after the warm-up", param_hint="--minutes")
+    cfg = FaultsBenchConfig(minutes=minutes, clients=clients, max_tokens=max_tokens, warmup_seconds=warmup,
+                            draft=draft, model=model, work_dir=work_dir)  # fmt: skip
+    with _clear_errors():
+        report = run_faults_bench(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    keys = (
+        "requests",
+        "well_formed_failed",
+        "hostile_5xx",
+        "records",
+        "served_refused_versions",
+        "latency_ms",
+    )
+    typer.echo(
+        json.dumps({k: report[k] for k in keys} | {"rss_growth": report["rss_mb"]["growth"]}, indent=2)
+    )
+    if plot is not None:
+        plot_faults_report(report, plot)
+        typer.echo(f"plot: {plot}")
     typer.echo(f"report: {out}")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import subprocess
@@ -30,6 +31,8 @@ from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.infra.process import LocalService, log_tail, stop_group, wait_http_ok
 from tide.infra.s3.server import S3Server
+
+log = logging.getLogger("tide.stack")
 
 
 @dataclass
@@ -123,10 +126,17 @@ class Part:
     log: Path
     role: str = ""  # whose S3 account it holds: "trainer" or "serving"
     args: list[str] = field(default_factory=list)  # its `tide` command, to start it again as it was
+    started: float = field(default_factory=time.monotonic)
+    crashes: int = 0  # exits in a row that came soon after a start
 
 
 class StackError(RuntimeError):
     pass
+
+
+QUICK_EXIT = 60.0  # seconds: a part that exits sooner after its start counts as a crash at start-up
+MAX_CRASHES = 5
+MAX_BACKOFF = 30.0
 
 
 BUCKET = MlflowServer.bucket  # S3 mode: MLflow's artifacts
@@ -276,13 +286,42 @@ class Stack:
         }
         (self.cfg.data_dir / "stack.json").write_text(json.dumps(state, indent=2))
 
-    def watch(self, poll: float = 1.0) -> Part:
-        """Block until a part exits; return it."""
-        while True:
-            for p in self.parts:
-                if p.proc.poll() is not None:
-                    return p
-            time.sleep(poll)
+    def revive(self) -> list[str]:
+        """Start again every service and part that has died; return their names.
+
+        A service that goes away degrades the loop and never stops it: a broker, MLflow or S3 server
+        that exited starts again on its port and data, and so does a part, with the same command and
+        S3 account. A part that keeps dying soon after its start waits longer each time (up to
+        `MAX_BACKOFF`), and after `MAX_CRASHES` such exits in a row the stack gives up on it with
+        StackError: it cannot start, and starting it again will not change that.
+        """
+        revived = []
+        for s in self.services:
+            if not s.running:
+                try:
+                    s.restart()
+                except Exception as e:  # its port still held, say: try again at the next call
+                    log.warning("could not start %s again: %s", type(s).__name__, e)
+                    continue
+                revived.append(type(s).__name__)
+        now = time.monotonic()
+        for i, p in enumerate(self.parts):
+            if p.proc.poll() is None:
+                if p.crashes and now - p.started > QUICK_EXIT:
+                    p.crashes = 0  # it has run a while: the next exit starts the count again
+                continue
+            crashes = p.crashes + 1 if now - p.started < QUICK_EXIT else 0
+            if crashes >= MAX_CRASHES:
+                raise StackError(f"{p.name} exited {crashes} times soon after starting:\n{log_tail(p.log)}")
+            if now - p.started < min(MAX_BACKOFF, 2.0**crashes):
+                continue  # wait a little before starting a part that just died
+            self._spawn(p.name, p.role, p.args)
+            self.parts[i] = self.parts.pop()
+            self.parts[i].crashes = crashes
+            revived.append(p.name)
+        if revived:
+            self._write_state()
+        return revived
 
     def stop(self) -> None:
         for p in reversed(self.parts):

@@ -1,0 +1,76 @@
+"""`tide up` revives what dies: a killed part or service starts again; a part that cannot start is given up on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+import pytest
+
+import tide.stack
+from tide.infra.process import LocalService
+from tide.stack import Stack, StackConfig, StackError
+
+
+@dataclass
+class Sleeper(LocalService):
+    """A stand-in service: a process that runs until it is stopped."""
+
+    data: Path
+
+    @property
+    def log_path(self) -> Path:
+        return self.data / "sleeper.log"
+
+    def start(self, timeout: float = 120) -> Self:
+        self._launch(["sleep", "600"], None, timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        pass
+
+
+@pytest.fixture
+def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
+    monkeypatch.setattr(tide.stack, "_tide", lambda: "sleep")  # a part's command: `sleep ARGS`
+    s = Stack(StackConfig(tmp_path))
+    yield s
+    s.stop()
+
+
+def _kill(proc: subprocess.Popen[bytes] | None) -> None:
+    assert proc is not None
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_killed_part_and_a_killed_service_start_again(stack: Stack) -> None:
+    stack._spawn("trainer:code", "trainer", ["600"])
+    service = Sleeper(data=stack.cfg.data_dir).start()
+    stack.services.append(service)
+    assert stack.revive() == []
+    part = stack.parts[0]
+    part.started -= 120  # it had been running for minutes
+    _kill(part.proc)
+    _kill(service.process)
+    assert stack.revive() == ["Sleeper", "trainer:code"]
+    (again,) = stack.parts
+    assert again.proc.pid != part.proc.pid and again.proc.poll() is None
+    assert again.args == ["600"] and again.role == "trainer" and again.crashes == 0
+    assert service.running
+
+
+def test_a_part_that_cannot_start_is_given_up_on(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tide.stack, "MAX_BACKOFF", 0.0)
+    stack._spawn("gate", "serving", ["0"])  # exits at once, every time
+    with pytest.raises(StackError, match="gate exited 5 times"):
+        for _ in range(200):
+            stack.revive()
+            time.sleep(0.05)
+    assert stack.parts[0].crashes == tide.stack.MAX_CRASHES - 1
