@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,7 +33,7 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.serving.admin import admin_router
-from tide.serving.capture import CapturePolicy, TrainingAdvisor, check_workload
+from tide.serving.capture import CapturePolicy, TrainingAdvisor
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.engine import Engine, EngineConfig, Sequence
@@ -101,9 +103,37 @@ async def _read_body(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise _BadRequest(413, f"request body exceeds the limit of {limit} bytes")
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        # NaN and Infinity are not JSON; deep nesting (RecursionError) and ints of more digits than
+        # Python converts (ValueError) are refused like any other malformed body
+        parsed = json.loads(body, parse_constant=_not_json)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise _BadRequest(400, "request body is not valid JSON") from None
+    if not isinstance(parsed, dict):
+        raise _BadRequest(400, "request body must be a JSON object")
+    return parsed
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+class _DraftFaultCollector(Collector):
+    """Failing drafts: steps served without speculation because a draft raised, and reverts."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        e = self.engine
+        yield CounterMetricFamily(
+            "tide_draft_step_failures", "Steps on which a draft raised (served without it)",
+            value=e.draft_step_failures,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "tide_draft_reverts", "Drafts reverted after failing steps in a row", value=e.draft_reverts
+        )
+        yield GaugeMetricFamily("tide_degraded", "1 while a reverted draft leaves a workload degraded",
+                                value=float(bool(e.degraded)))  # fmt: skip
 
 
 async def _disconnected(request: Request) -> None:
@@ -254,6 +284,7 @@ def make_app(
     app = FastAPI(title="TIDE", lifespan=lifespan)
     app.state.engine_loop = loop
     app.state.metrics = metrics
+    metrics.registry.register(_DraftFaultCollector(engine))
     app.include_router(admin_router(engine, server.capture, server.admin_token))
 
     @app.exception_handler(StarletteHTTPException)
@@ -269,8 +300,14 @@ def make_app(
 
     @app.get("/health")
     def health() -> dict[str, Any]:
+        """Always 200 while the node answers requests. "status" is "degraded" once a workload's
+        draft failed step after step and was reverted ("degraded" says which and why): that
+        workload is served without the failing draft's speculation, which is slower but correct,
+        so a load balancer should keep the node; alerts can watch the status."""
+        degraded = dict(engine.degraded)
         return {
-            "status": "ok",
+            "status": "degraded" if degraded else "ok",
+            **({"degraded": degraded} if degraded else {}),
             "draft": engine.draft_version,
             "drafts": engine.draft_versions(),
             "gamma": engine.gamma,
@@ -294,6 +331,22 @@ def make_app(
         except ValidationError as e:
             message, param = describe(e)
             raise _BadRequest(400, message, param) from None
+        except RecursionError:
+            raise _BadRequest(400, "request body is nested too deeply") from None
+
+    def tokenize(req: ChatRequest | CompletionRequest) -> list[int]:
+        if isinstance(req, CompletionRequest) and not isinstance(req.prompt, str):
+            if not all(0 <= t < target.config.vocab_size for t in req.prompt):
+                raise _BadRequest(400, "prompt token ids out of the vocabulary", "prompt")
+            return req.prompt
+        try:
+            if isinstance(req, ChatRequest):
+                return tok.chat_prompt([m.as_template_input() for m in req.messages])
+            return tok.encode(req.prompt)
+        except Exception as e:  # e.g. a chat template that refuses this order of roles
+            param = "messages" if isinstance(req, ChatRequest) else "prompt"
+            log.info("a request's %s could not be tokenized: %s", param, type(e).__name__)
+            raise _BadRequest(400, f"{param}: could not be tokenized ({type(e).__name__})", param) from None
 
     def submit(
         request: Request, req: ChatRequest | CompletionRequest
@@ -306,18 +359,11 @@ def make_app(
                 "not_found_error",
             )
         try:
-            workload = check_workload(request.headers.get("x-tide-workload", "default"))
+            workload = server.capture.workloads.resolve(request.headers.get("x-tide-workload", "default"))
         except ValueError as e:
             raise _BadRequest(400, f"X-Tide-Workload: {e}") from None
         opted_out = request.headers.get("x-tide-capture", "on").strip().lower() == "off"
-        if isinstance(req, ChatRequest):
-            prompt = tok.chat_prompt([m.as_template_input() for m in req.messages])
-        elif isinstance(req.prompt, str):
-            prompt = tok.encode(req.prompt)
-        else:
-            prompt = req.prompt
-            if not all(0 <= t < target.config.vocab_size for t in prompt):
-                raise _BadRequest(400, "prompt token ids out of the vocabulary", "prompt")
+        prompt = tokenize(req)
         room = engine.cfg.max_model_len - len(prompt)
         max_tokens = req.requested_max_tokens() or max(1, min(server.default_max_tokens, room))
         try:

@@ -9,16 +9,24 @@ entries past the length are never attended to and are overwritten next step.
 
 Running sequences occupy the slots [0, B) of the cache in order, so every forward reads one
 contiguous slice; a finishing sequence's slot is refilled by moving the last one into it.
+
+One request cannot fail another: its sampling settings and token ids are checked when it is added,
+its own work in a step (prefill, appending tokens, stop strings, text) fails it alone, and a batched
+decode that raises is decoded again sequence by sequence to find the culprit (nothing is committed
+before the verify pass has succeeded). A draft that raises costs its step's speculation only; after
+`draft_failures` such steps in a row its workload goes back to the draft it had before (or none),
+and the engine reports itself degraded.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +40,8 @@ from tide.serving.controller import Controller
 from tide.serving.detokenizer import Detokenizer
 from tide.serving.sampling import BatchSampling, SamplingParams, Verdict, probs_from_logits, sample, verify
 
+log = logging.getLogger("tide.serving")
+
 
 @dataclass
 class EngineConfig:
@@ -40,6 +50,7 @@ class EngineConfig:
     gamma: int = 4  # draft tokens per step; 0 turns speculation off
     max_gamma: int = 8
     seed: int = 0
+    draft_failures: int = 3  # steps in a row on which a draft raised before its workload reverts
 
 
 @dataclass
@@ -65,6 +76,8 @@ class TapEvent:
 
 
 TapCallback = Callable[[TapEvent], None]
+# (workload, version of the reverted draft, reason), on the engine's thread
+RevertCallback = Callable[[str, str, str], None]
 
 
 @dataclass
@@ -144,6 +157,7 @@ class DraftSlot:
     ids: torch.Tensor  # draft vocabulary -> target token ids
     stats: DraftStats
     expected: dict[int, float] | None = None  # tau at each gamma the gate measured (the controller's prior)
+    failures: int = 0  # steps in a row on which it raised
 
     @property
     def version(self) -> str:
@@ -203,6 +217,15 @@ class Engine:
         self.workloads_seen: set[str] = set()  # the registry follower polls their drafts
         self.controller = controller  # chooses gamma each step while `adaptive`
         self.adaptive = controller is not None  # False: cfg.gamma, fixed
+        # failing drafts: what each workload's draft replaced (None: nothing of its own), the
+        # workloads reverted since (and why), counts for metrics, and who else wants to know
+        self.previous: dict[str, tuple[Eagle3Draft, dict[int, float] | None] | None] = {}
+        self.degraded: dict[str, str] = {}
+        self.draft_step_failures = 0
+        self.draft_reverts = 0
+        self.on_draft_revert: RevertCallback | None = None
+        self._draft_errors: dict[str, str] = {}  # this step's failing drafts, by key
+        self._drafts_ok: set[str] = set()  # this step's drafts that proposed
         if draft is not None:
             self.set_draft(draft)
             self.swap_pending_drafts()
@@ -229,6 +252,16 @@ class Engine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{self.cfg.max_model_len} tokens"
             )
+        # checked here, not in a step: a bad value would fail every request batched with it
+        vocab = self.model.cfg.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.top_k >= vocab:  # the same distribution, and a value every tensor can hold
+            params = replace(params, top_k=0)
+        try:
+            BatchSampling.of([params])
+        except (RuntimeError, OverflowError, TypeError) as e:
+            raise ValueError(f"sampling settings unusable: {e}") from None
         rid = request_id or f"req-{next(self._ids)}"
         held = is_held_out(rid) if held_out is None else held_out
         seq = Sequence(rid, list(prompt), params, workload, capture, held)
@@ -281,10 +314,13 @@ class Engine:
         if draft is not None:
             # the slow parts happen here, off the engine's thread: weight packing, cache allocation
             pack_linears(draft)
-            cache = draft.new_cache(self.cfg.max_batch, self.capacity, self.dtype)
-            slot = DraftSlot(draft, cache, draft.target_ids(), DraftStats(self.cfg.max_gamma), expected)
+            slot = self._new_slot(draft, expected)
         with self._lock:
             self._pending[workload] = slot
+
+    def _new_slot(self, draft: Eagle3Draft, expected: dict[int, float] | None) -> DraftSlot:
+        cache = draft.new_cache(self.cfg.max_batch, self.capacity, self.dtype)
+        return DraftSlot(draft, cache, draft.target_ids(), DraftStats(self.cfg.max_gamma), expected)
 
     @property
     def draft(self) -> Eagle3Draft | None:
@@ -330,6 +366,15 @@ class Engine:
             pending, self._pending = self._pending, {}
         if not pending:
             return
+        for workload in pending:  # a new draft gets its chance; the one it replaces is kept to revert to
+            old = self.drafts.get(workload)
+            self.previous[workload] = (
+                (old.draft, old.expected) if old is not None and not old.failures else None
+            )
+            self.degraded.pop(workload, None)
+        self._install(pending)
+
+    def _install(self, pending: dict[str, DraftSlot | None]) -> None:
         before = {seq.request_id: self.draft_key(seq.workload) for seq in self.running}
         tracked = list(self.controller.acceptance) if self.controller is not None else []
         keys = {w: self.draft_key(w) for w in tracked}
@@ -355,19 +400,60 @@ class Engine:
             key = self.draft_key(seq.workload)
             if key is not None and (key in pending or key != before[seq.request_id]):
                 self.draft_lengths[seq.slot] = 0
-                self._sync_draft(seq, self.drafts[key])
+                self._sync_draft(seq, key)
 
-    def _sync_draft(self, seq: Sequence, ds: DraftSlot) -> None:
-        """Bring one sequence's draft cache up to its last committed position but one."""
-        slot = seq.slot
+    def _sync_draft(self, seq: Sequence, key: str) -> None:
+        """Bring one sequence's draft cache up to its last committed position but one (a draft that
+        raises leaves it where it was: the next proposal catches up from there)."""
+        ds, slot = self.drafts[key], seq.slot
         start, end = int(self.draft_lengths[slot]), int(self.lengths[slot]) - 1
         if end <= start:
             return
         pos = torch.arange(start, end).unsqueeze(0)
         batch = Batch.make(slot, pos, None, self.capacity)
-        hidden = ds.draft.fc(self.aux[slot, start:end].unsqueeze(0))
-        ds.draft(hidden, self.tokens[slot, start + 1 : end + 1].unsqueeze(0), batch, ds.cache)
+        try:
+            hidden = ds.draft.fc(self.aux[slot, start:end].unsqueeze(0))
+            ds.draft(hidden, self.tokens[slot, start + 1 : end + 1].unsqueeze(0), batch, ds.cache)
+        except Exception as e:
+            self._draft_failed(key, e)
+            return
         self.draft_lengths[slot] = end
+
+    # -- failing drafts ---------------------------------------------------------------------------
+    def _draft_failed(self, key: str, e: Exception) -> None:
+        if key not in self._draft_errors:
+            log.warning("the draft of workload %s raised; this step goes without it: %r", key, e)
+        self._draft_errors[key] = f"{type(e).__name__}: {e}"[:300]
+
+    def _judge_drafts(self) -> None:
+        """After a step: a draft that raised in it counts one more failure, one that proposed starts
+        over; at `draft_failures` its workload reverts (once the step is over: no step sees half)."""
+        errors, ok = self._draft_errors, self._drafts_ok
+        self._draft_errors, self._drafts_ok = {}, set()
+        self.draft_step_failures += len(errors)
+        reverts: dict[str, DraftSlot | None] = {}
+        for key, slot in self.drafts.items():
+            if key in errors:
+                slot.failures += 1
+            elif key in ok:
+                slot.failures = 0
+            if slot.failures < self.cfg.draft_failures:
+                continue
+            prev = self.previous.pop(key, None)
+            back = self._new_slot(*prev) if prev is not None else None
+            to = back.version if back is not None else "no draft of its own"
+            reason = f"draft {slot.version} raised on {slot.failures} steps in a row ({errors.get(key)}); reverted to {to}"
+            log.error("workload %s: %s", key, reason)
+            self.degraded[key] = reason
+            self.draft_reverts += 1
+            reverts[key] = back
+            if self.on_draft_revert is not None:
+                try:
+                    self.on_draft_revert(key, slot.version, reason)
+                except Exception:
+                    log.exception("the draft-revert callback failed")
+        if reverts:
+            self._install(reverts)
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -380,12 +466,23 @@ class Engine:
                 seq = self.waiting.popleft()
             if seq.finished:
                 continue
-            outputs.append(self._prefill(seq))
+            try:
+                outputs.append(self._prefill(seq))
+            except Exception:
+                outputs.append(self._fail(seq, "in its prefill"))
         self._drop_finished()
         if self.running:
             outputs.extend(self._decode())
         self._drop_finished()
+        self._judge_drafts()
         return outputs
+
+    def _fail(self, seq: Sequence, where: str) -> StepOutput:
+        """Its own work raised (call from the except block): this sequence alone ends, with an
+        error; its slot frees at the end of the step."""
+        log.exception("request %s failed %s; the others carry on", seq.request_id, where)
+        seq.finish_reason = "error"
+        return StepOutput(seq, [])
 
     def _uniforms(self, seqs: list[Sequence], n: int) -> torch.Tensor:
         return torch.stack([torch.rand(n, generator=s.generator or self.generator) for s in seqs])
@@ -412,7 +509,7 @@ class Engine:
         self.tokens[slot, n] = first
         key = self.draft_key(seq.workload)
         if key is not None:
-            self._sync_draft(seq, self.drafts[key])
+            self._sync_draft(seq, key)
         kept = self._append(seq, [first])
         self._emit(seq, 0, prompt, out.aux[0], out.hidden[0], kept, True)
         return StepOutput(seq, kept)
@@ -430,30 +527,41 @@ class Engine:
     def _propose(
         self,
         groups: dict[str, list[int]],
+        lo: int,
         bsz: int,
         gamma: int,
         params: list[SamplingParams],
         u: torch.Tensor | None,
         stop_below: float = 0.0,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Chain-draft up to gamma tokens per sequence, one chain per draft: (B, n) target ids, and
-        q (B, n, V) when sampling. With one draft, the chain stops early where the draft's own
-        confidence in it falls below `stop_below` in every row."""
-        if len(groups) == 1:  # the common case: contiguous slots, no gathers
-            (key,) = groups
-            return self._propose_rows(self.drafts[key], None, bsz, gamma, params, u, stop_below)
-        tokens = torch.empty(bsz, gamma, dtype=torch.long)
-        q = None if u is None else torch.zeros(bsz, gamma, self.model.cfg.vocab_size)
-        for key, idx in groups.items():
-            rows = torch.tensor(idx)
-            sub_u = None if u is None else u[rows]
-            t, sub_q = self._propose_rows(
-                self.drafts[key], rows, len(idx), gamma, [params[i] for i in idx], sub_u
-            )
-            tokens[rows] = t
-            if q is not None and sub_q is not None:
-                q[rows] = sub_q
-        return tokens, q
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Chain-draft up to gamma tokens per sequence of the slots [lo, lo + bsz), one chain per
+        draft: (B, n) target ids, and q (B, n, V) when sampling. With one draft, the chain stops
+        early where the draft's own confidence in it falls below `stop_below` in every row.
+        None: a draft raised, and the step goes without speculation."""
+        key = ""
+        try:
+            if len(groups) == 1:  # the common case: contiguous slots, no gathers
+                (key,) = groups
+                slots = None if lo == 0 else torch.arange(lo, lo + bsz)
+                out = self._propose_rows(self.drafts[key], slots, bsz, gamma, params, u, stop_below)
+                self._drafts_ok.add(key)
+                return out
+            tokens = torch.empty(bsz, gamma, dtype=torch.long)
+            q = None if u is None else torch.zeros(bsz, gamma, self.model.cfg.vocab_size)
+            for key, idx in groups.items():
+                rows = torch.tensor(idx)
+                sub_u = None if u is None else u[rows]
+                t, sub_q = self._propose_rows(
+                    self.drafts[key], rows + lo, len(idx), gamma, [params[i] for i in idx], sub_u
+                )
+                tokens[rows] = t
+                if q is not None and sub_q is not None:
+                    q[rows] = sub_q
+                self._drafts_ok.add(key)
+            return tokens, q
+        except Exception as e:
+            self._draft_failed(key, e)
+            return None
 
     def _propose_rows(
         self,
@@ -499,14 +607,14 @@ class Engine:
                 if stop_below:
                     sure = sure * logits[:, 0].float().softmax(-1).amax(-1)
                     if i and bool((sure < stop_below).all()):
-                        return tokens[:, :i], None
+                        return self._checked(tokens[:, :i]), None
             else:
                 q = probs_from_logits(logits, BatchSampling(s.temperature, s.top_p, s.top_k, False))[:, 0]
                 d = sample(q, u[:, i])
                 if stop_below:
                     sure = sure * q.gather(1, d.unsqueeze(1))[:, 0]
                     if i and bool((sure < stop_below).all()):
-                        return tokens[:, :i], torch.stack(qs, 1)
+                        return self._checked(tokens[:, :i]), torch.stack(qs, 1)
                 full = torch.zeros(bsz, self.model.cfg.vocab_size)
                 qs.append(full.index_copy_(1, ds.ids, q))
             tokens[:, i] = ds.ids[d]
@@ -514,57 +622,107 @@ class Engine:
                 p = (lengths + i).unsqueeze(1)
                 batch = Batch.make(0, p, None, self.capacity, slots)
                 last = draft(last, tokens[:, i : i + 1], batch, ds.cache)
-        return tokens, (torch.stack(qs, 1) if qs else None)
+        return self._checked(tokens), (torch.stack(qs, 1) if qs else None)
+
+    def _checked(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A draft's tokens must be the target's (a bad vocabulary map would fail the verify pass)."""
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.model.cfg.vocab_size):
+            raise ValueError("the draft proposed token ids outside the target's vocabulary")
+        return tokens
 
     def _decode(self) -> list[StepOutput]:
         start = time.perf_counter()
-        seqs = self.running
-        bsz = len(seqs)
-        rows = torch.arange(bsz)
+        seqs = list(self.running)
         adaptive = self.adaptive and self.controller is not None
         groups = self._draft_groups(seqs) if (self.cfg.gamma > 0 or adaptive) else None
-        workloads = [q.workload for q in seqs] if adaptive else []  # only the controller reads them
         if groups and adaptive and self.controller is not None:
-            gamma = self.controller.choose(workloads).gamma
+            gamma = self.controller.choose([q.workload for q in seqs]).gamma
         else:
             gamma = self.cfg.gamma if groups else 0
-        params = [q.params for q in seqs]
-        s = BatchSampling.of(params)
+        s = BatchSampling.of([q.params for q in seqs])
+        # drawn once: a sequence decoded again alone (below) samples with the same numbers
         u = None if s.all_greedy else self._uniforms(seqs, 2 * gamma + 1)
-        lengths = self.lengths[:bsz].clone()
+        dlen = self.draft_lengths.clone()
+        try:
+            return self._decode_rows(0, len(seqs), groups, gamma, s, u, start)
+        except Exception:
+            if len(seqs) == 1:
+                return [self._fail(seqs[0], "in its decode step")]
+            log.exception("a decode step of %d sequences failed; decoding each alone", len(seqs))
+        # nothing was committed: every sequence's step is still to do, the draft caches' too
+        self.draft_lengths.copy_(dlen)
+        results: list[StepOutput] = []
+        for i, seq in enumerate(seqs):
+            one = self._draft_groups([seq]) if groups else None
+            try:
+                ui = None if u is None else u[i : i + 1]
+                g = gamma if one else 0
+                results += self._decode_rows(i, i + 1, one, g, BatchSampling.of([seq.params]), ui, start)
+            except Exception:
+                self.draft_lengths[i] = dlen[i]
+                results.append(self._fail(seq, "in its decode step"))
+        return results
+
+    def _decode_rows(
+        self,
+        lo: int,
+        hi: int,
+        groups: dict[str, list[int]] | None,
+        gamma: int,
+        s: BatchSampling,
+        u: torch.Tensor | None,
+        start: float,
+    ) -> list[StepOutput]:
+        """One target step for the running sequences in slots [lo, hi); `groups` index rows from lo."""
+        seqs = self.running[lo:hi]
+        bsz = hi - lo
+        rows = torch.arange(lo, hi)
+        adaptive = self.adaptive and self.controller is not None
+        params = [q.params for q in seqs]
+        lengths = self.lengths[lo:hi].clone()
+        drafted, q = torch.zeros(bsz, 0, dtype=torch.long), None
         if groups and gamma > 0:
             stop = self.controller.cfg.stop_below if adaptive and self.controller is not None else 0.0
-            drafted, q = self._propose(groups, bsz, gamma, params, u, stop)
-            gamma = drafted.shape[1]  # the chain may have stopped early
-            self.timing.propose_seconds += time.perf_counter() - start
-        else:
-            drafted, q = torch.zeros(bsz, 0, dtype=torch.long), None
+            dlen = self.draft_lengths[lo:hi].clone()
+            proposal = self._propose(groups, lo, bsz, gamma, params, u, stop)
+            if proposal is None:  # the draft failed: its half-done catch-up is redone next step
+                self.draft_lengths[lo:hi] = dlen
+            else:
+                drafted, q = proposal
+                self.timing.propose_seconds += time.perf_counter() - start
+        gamma = drafted.shape[1]  # the chain may have stopped early, or not started
         inp = torch.cat([self.tokens[rows, lengths].unsqueeze(1), drafted], 1)
         pos = lengths.unsqueeze(1) + torch.arange(gamma + 1)
-        out = self.model(inp, Batch.make(0, pos, None, self.capacity), self.cache, True)
+        out = self.model(inp, Batch.make(lo, pos, None, self.capacity), self.cache, True)
         assert out.aux is not None
         logits = self.model.logits(out.hidden)
         verdict = self._verify(logits, drafted, q, s, u, gamma)
         acc = verdict.accepted
+        new_tokens, accepted, starts = verdict.tokens.tolist(), acc.tolist(), lengths.tolist()
         # commit: aux states of the verified positions and the tokens that follow them
         self.aux[rows.unsqueeze(1), pos] = out.aux
         self.tokens[rows.unsqueeze(1), pos + 1] = verdict.tokens
-        self.lengths[:bsz] = lengths + acc + 1
-        if groups and gamma > 0:
-            self.stats.add(acc, gamma)
-            for key, idx in groups.items():
-                self.drafts[key].stats.add(acc if len(groups) == 1 else acc[torch.tensor(idx)], gamma)
-        new_tokens = verdict.tokens.tolist()
+        self.lengths[lo:hi] = lengths + acc + 1
         seconds = time.perf_counter() - start
         self.timing.decode_steps += 1
         self.timing.decode_seconds += seconds
-        if adaptive and self.controller is not None:
-            self.controller.observe(workloads, acc, gamma, seconds)
+        try:  # committed: from here on nothing may raise out of the step (it would be decoded again)
+            if groups and gamma > 0:
+                self.stats.add(acc, gamma)
+                for key, idx in groups.items():
+                    self.drafts[key].stats.add(acc if len(groups) == 1 else acc[torch.tensor(idx)], gamma)
+            if adaptive and self.controller is not None:
+                self.controller.observe([q.workload for q in seqs], acc, gamma, seconds)
+        except Exception:
+            log.exception("acceptance statistics of a step failed")
         results = []
-        starts = lengths.tolist()
-        for i, (seq, n) in enumerate(zip(seqs, acc.tolist(), strict=True)):
+        for i, (seq, n) in enumerate(zip(seqs, accepted, strict=True)):
             seq.steps += 1
-            kept = self._append(seq, new_tokens[i][: n + 1])
+            try:
+                kept = self._append(seq, new_tokens[i][: n + 1])
+            except Exception:
+                results.append(self._fail(seq, "appending its tokens"))
+                continue
             self._emit(seq, starts[i], inp[i, :1], out.aux[i], out.hidden[i], kept, False)
             results.append(StepOutput(seq, kept, n))
         return results
@@ -607,20 +765,23 @@ class Engine:
             return
         t = time.perf_counter()
         tokens = torch.cat([inputs, torch.tensor(kept, dtype=inputs.dtype)])
-        self.tap(
-            TapEvent(
-                seq.request_id,
-                seq.workload,
-                first,
-                tokens,
-                aux[:m],
-                hidden[:m],
-                prefill,
-                self._version_for(seq),
-                seq.finished,
-                seq.held_out,
-            )
+        event = TapEvent(
+            seq.request_id,
+            seq.workload,
+            first,
+            tokens,
+            aux[:m],
+            hidden[:m],
+            prefill,
+            self._version_for(seq),
+            seq.finished,
+            seq.held_out,
         )
+        try:
+            self.tap(event)
+        except Exception:  # capture is a side job: the request is served on, no longer captured
+            log.exception("capture of request %s failed; it goes on uncaptured", seq.request_id)
+            seq.capture = False
         self.tap_seconds += time.perf_counter() - t
 
     def _version_for(self, seq: Sequence) -> str:
@@ -665,6 +826,10 @@ class Engine:
     def _drop_finished(self) -> None:
         done = sorted((s.slot for s in self.running if s.finished), reverse=True)
         for slot in done:
+            seq, none = self.running[slot], self.aux[slot, :0]
+            # ended from outside (aborted, failed): tell the tap now, so it frees the request's states
+            if seq.finish_reason not in ("stop", "length"):
+                self._emit(seq, int(self.lengths[slot]), self.tokens[slot, :1], none, none, [], False)
             last = len(self.running) - 1
             if slot != last:
                 self._move(last, slot)

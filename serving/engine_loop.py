@@ -91,13 +91,27 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:  # keep serving: fail the requests in flight, not the process
+            except Exception:  # the engine fails a request alone; this is the last resort for a bug
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_running()
                 continue
-            self.metrics.observe_step(outputs)
+            try:
+                self.metrics.observe_step(outputs)
+            except Exception:
+                log.exception("step metrics failed")
             for out in outputs:
-                self._deliver(out.seq)
+                try:
+                    self._deliver(out.seq)
+                except Exception:  # its handler would wait forever: end it with an error
+                    log.exception("could not deliver to request %s", out.seq.request_id)
+                    self._deliver_error(out.seq)
+
+    def _deliver_error(self, seq: Sequence) -> None:
+        w = self.waiters.pop(seq.request_id, None)
+        seq.finish_reason = "error"  # a running one leaves its slot at the next step
+        if w is not None:
+            with contextlib.suppress(RuntimeError):
+                w.loop.call_soon_threadsafe(w.queue.put_nowait, Delta("", len(seq.output), True))
 
     def _deliver(self, seq: Sequence) -> None:
         w = self.waiters.get(seq.request_id)

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+INT64_MAX = 2**63 - 1
+# torch.Generator.manual_seed takes any int64 or uint64
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -23,14 +27,19 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
+        """ValueError for settings a batch cannot sample with (NaN fails every comparison)."""
         if not (0.0 <= self.temperature <= 2.0):
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be in [0, {INT64_MAX}], got {self.top_k}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
 
 
 @dataclass
