@@ -17,14 +17,23 @@ from the workload's topic from the start of its retention on every gate start (n
 gate judges on the last couple of minutes of them, so after a shift it judges the new traffic.
 Earlier champions are weighed against every candidate and, when new held-out traffic arrives
 without one, against the champion: a workload that comes back gets its old draft back at once.
+
+The gate fails closed. Only a version that is itself bad (its files, its config, its weights) is
+refused; when a draft cannot be read for any other reason (a full disk, S3 or MLflow away) the
+workload gets no decision this pass and is gated again at the next, the gate backing off while
+passes fail. Aliases move only if they still point where the gate read them (`move_alias`), and
+only the gate holding the registry's lease (`GateLease`) acts.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +41,7 @@ from pathlib import Path
 import torch
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion, RegisteredModel
+from mlflow.exceptions import MlflowException
 
 from tide.models.eagle3 import DraftLoadError, DraftMismatchError, Eagle3Draft
 from tide.models.loader import TargetHead
@@ -42,11 +52,13 @@ from tide.registry.store import (
     CHAMPION,
     PREVIOUS,
     PROFILE_TAG,
+    AliasMoved,
     ArtifactRefused,
     alias_version,
     download_version,
     model_name,
     model_prefix,
+    move_alias,
     set_tags,
 )
 from tide.serving.cost_model import StepProfile
@@ -54,6 +66,10 @@ from tide.trainers.online import completion_positions, example_of, keep_recent
 from tide.trainers.ttt import Example, TrainConfig, evaluate
 
 log = logging.getLogger("tide.registry")
+
+# what makes a version itself unusable, and refused for good; anything else (OSError, an MLflow or S3
+# error) says nothing about the version: no verdict, gated again next pass
+BAD_VERSION = (ArtifactRefused, DraftLoadError, DraftMismatchError)
 
 
 @dataclass
@@ -78,6 +94,10 @@ class GateConfig:
     recall: int = 8  # earlier champions weighed against each candidate (a workload that comes back)
     # this many new held-out positions without a candidate: weigh the champion against earlier ones again
     recheck_positions: int = 128
+    # the registry's gate lease lasts this long unless renewed (each pass and each alias move renews
+    # it): a gate that was killed holds up another for at most this long
+    lease_seconds: float = 180.0
+    max_backoff_seconds: float = 600.0  # failing passes wait twice as long each time, up to this
 
 
 @dataclass
@@ -149,7 +169,9 @@ class HeldOut:
         self.arrived = 0  # positions read so far
         self.checked = 0  # `arrived` when the champion was last weighed against earlier ones
         self.drained = False  # a first drain has waited for the partitions (or its whole budget)
-        self.consumer = RecordConsumer(cfg.bootstrap, [workload], f"tide-gate.{workload}", head.fingerprint)
+        # a group of its own: nothing is committed, and a standby gate must not take half the partitions
+        group = f"tide-gate.{workload}.{uuid.uuid4().hex[:8]}"
+        self.consumer = RecordConsumer(cfg.bootstrap, [workload], group, head.fingerprint)
         self.requests = RequestAssembler()  # judged whole, as they are served
 
     @property
@@ -187,6 +209,89 @@ class HeldOut:
         self.consumer.close()
 
 
+class NoVerdict(RuntimeError):
+    """A decision cannot be made now (a baseline out of reach, the lease lost): none is recorded."""
+
+
+LEASE_PREFIX = "tide-gate-lease-"
+
+
+class GateLease:
+    """Only one gate acts on a target's drafts in a registry at a time.
+
+    MLflow has no conditional write: two gates that each write an owner tag and read it back can
+    both read their own (A writes, A reads, B writes, B reads). Creating a registered model is atomic
+    though (its name is unique in the registry's database), so the lease is a series of registered
+    models `tide-gate-lease-<fp12>-<epoch>`, each created by exactly one gate, with the owner and an
+    expiry (unix seconds, the holder's clock) in tags. The newest epoch rules: its owner renews it
+    while it is valid; once it has expired, whoever creates the next epoch holds it. The holder
+    deletes older epochs, and its own when it stops. (An advisory lock in the registry's database
+    would need the gate to hold the database's password; a file lock holds on one machine only.)
+    """
+
+    def __init__(self, client: MlflowClient, fingerprint: str, seconds: float, owner: str | None = None):
+        self.client = client
+        self.prefix = f"{LEASE_PREFIX}{fingerprint[:12]}-"
+        self.seconds = seconds
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.epoch: int | None = None  # the epoch this gate created, while it may hold it
+
+    def _epochs(self) -> dict[int, dict[str, str]]:
+        found = self.client.search_registered_models(f"name LIKE '{self.prefix}%'")
+        out = {}
+        for rm in found:
+            tail = rm.name[len(self.prefix) :]
+            if tail.isdigit():
+                out[int(tail)] = dict(rm.tags or {})
+        return out
+
+    def acquire(self) -> bool:
+        """Hold the lease for the next `seconds`: renew ours while it is valid, or take the next epoch
+        once the newest has expired. False: another gate holds it."""
+        epochs = self._epochs()
+        now = time.time()
+        expiry = str(now + self.seconds)
+        top = max(epochs, default=0)
+        if top and float(epochs[top].get("expires", "0")) > now:
+            if top != self.epoch or epochs[top].get("owner") != self.owner:
+                self.epoch = None
+                return False
+            try:
+                self.client.set_registered_model_tag(self.prefix + str(top), "expires", expiry)
+            except MlflowException as e:  # deleted under us: we lost it
+                if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                    self.epoch = None
+                    return False
+                raise
+        else:
+            try:
+                self.client.create_registered_model(
+                    self.prefix + str(top + 1), tags={"owner": self.owner, "expires": expiry}
+                )
+            except MlflowException as e:
+                if e.error_code == "RESOURCE_ALREADY_EXISTS":  # another gate took this epoch first
+                    self.epoch = None
+                    return False
+                raise
+            self.epoch = top + 1
+        for old in epochs.keys() - {self.epoch}:
+            if old < self.epoch:
+                self._delete(old)
+        return True
+
+    def release(self) -> None:
+        if self.epoch is not None:
+            self._delete(self.epoch)
+            self.epoch = None
+
+    def _delete(self, epoch: int) -> None:
+        try:
+            self.client.delete_registered_model(self.prefix + str(epoch))
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                log.warning("could not delete gate lease epoch %d: %s", epoch, e)
+
+
 class Gate:
     def __init__(self, cfg: GateConfig, head: TargetHead):
         self.cfg = cfg
@@ -194,24 +299,47 @@ class Gate:
         self.client = MlflowClient(cfg.tracking_uri)
         self.held_out: dict[str, HeldOut] = {}
         self.train_cfg = TrainConfig(ttt_steps=cfg.gamma_max)
+        self.lease = GateLease(self.client, head.fingerprint, cfg.lease_seconds)
+        self.failed: list[str] = []  # the last pass's models without a verdict, and why
 
     # -- one pass over every workload ---------------------------------------------------------------
     def run_once(self) -> list[Decision]:
+        """One pass, if this gate holds the lease. A model whose drafts cannot be read now gets no
+        decision (`failed` says why) and the others go on."""
+        self.failed = []
+        if not self.lease.acquire():
+            log.info("another gate holds the lease: not acting")
+            return []
         prefix = model_prefix(self.head.fingerprint)
         decisions: list[Decision] = []
         for rm in self.client.search_registered_models(f"name LIKE '{prefix}%'"):
-            decisions += self.gate_model(rm, rm.name[len(prefix) :])
+            try:
+                decisions += self.gate_model(rm, rm.name[len(prefix) :])
+            except Exception as e:  # not the version's fault: no verdict, the next pass tries again
+                log.warning("%s: no decision this pass: %s", rm.name, e)
+                self.failed.append(f"{rm.name}: {e}")
         return decisions
 
     def run(self, poll_seconds: float, stop: threading.Event | None = None) -> None:
+        """Pass after pass; while passes fail (MLflow, S3 or Kafka away) each waits twice as long
+        as the one before, up to `max_backoff_seconds`."""
         stop = stop or threading.Event()
-        while not stop.is_set():
-            try:
-                for d in self.run_once():
-                    log.info("%s v%s %s: %s", d.name, d.version, d.decision, d.reason)
-            except Exception as e:  # a registry or broker that went away: try again next round
-                log.warning("gate pass failed, retrying in %.0f s: %s", poll_seconds, e)
-            stop.wait(poll_seconds)
+        failures = 0
+        try:
+            while not stop.is_set():
+                try:
+                    for d in self.run_once():
+                        log.info("%s v%s %s: %s", d.name, d.version, d.decision, d.reason)
+                    failures = failures + 1 if self.failed else 0
+                except Exception as e:  # a registry that went away
+                    failures += 1
+                    log.warning("gate pass failed: %s", e)
+                wait = backoff(poll_seconds, failures, self.cfg.max_backoff_seconds)
+                if failures:
+                    log.warning("%d failing passes in a row: next in %.0f s", failures, wait)
+                stop.wait(wait)
+        finally:
+            self._release()
 
     def gate_model(self, rm: RegisteredModel, workload: str) -> list[Decision]:
         versions = self.client.search_model_versions(f"name = '{rm.name}'")
@@ -266,7 +394,7 @@ class Gate:
         profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
         try:
             now = self.evaluate(champion, held.examples, profile)
-        except (ArtifactRefused, DraftLoadError, DraftMismatchError, OSError) as e:
+        except BAD_VERSION as e:
             log.warning("champion %s v%s unusable for a recheck: %s", rm.name, champion.version, e)
             return []
         gamma = self.cfg.gamma
@@ -315,7 +443,7 @@ class Gate:
             ev = self.evaluate(cand, examples, profile)
         except ArtifactRefused as e:
             return self._record(cand, "refused", f"{e.reason}: {e}", tags)
-        except (DraftLoadError, DraftMismatchError, OSError) as e:
+        except (DraftLoadError, DraftMismatchError) as e:  # other errors: no verdict (fail closed)
             kind = "foreign target" if isinstance(e, DraftMismatchError) else "unloadable"
             return self._record(cand, "refused", f"{kind}: {e}", tags)
         tags |= _figures("gate", ev, gamma)
@@ -359,10 +487,20 @@ class Gate:
         )
 
     def _promote(self, rm: RegisteredModel, champion: ModelVersion | None, mv: ModelVersion) -> None:
+        """`mv` becomes champion, only if the champion is still the one this decision read (a node's
+        rollback or a hand may have moved it since) and this gate still holds the lease."""
+        read = str(champion.version) if champion is not None else None
+        if not self.lease.acquire():
+            raise NoVerdict("the gate lease was lost: another gate acts now")
+        now = alias_version(self.client, rm.name, CHAMPION)
+        if (str(now.version) if now is not None else None) != read:
+            raise AliasMoved(
+                f"{rm.name}: champion moved to v{now.version if now else None} since v{read} was read"
+            )
         if champion is not None:
             self.client.set_registered_model_alias(rm.name, PREVIOUS, champion.version)
             set_tags(self.client, champion, {"gate.champion_until": _now()})  # recallable from now on
-        self.client.set_registered_model_alias(rm.name, CHAMPION, mv.version)
+        move_alias(self.client, rm.name, CHAMPION, read, str(mv.version))
 
     def _recall(
         self,
@@ -379,7 +517,7 @@ class Gate:
         for mv in alumni:
             try:
                 ev = self.evaluate(mv, examples, profile)
-            except (ArtifactRefused, DraftLoadError, DraftMismatchError, OSError) as e:
+            except BAD_VERSION as e:
                 log.warning("earlier champion %s v%s unusable: %s", mv.name, mv.version, e)
                 continue
             better = ev.score(self.cfg.gamma) > max(bar, best[1].score(self.cfg.gamma) if best else 0.0)
@@ -395,7 +533,10 @@ class Gate:
         examples: list[Example],
         profile: StepProfile | None,
     ) -> tuple[ModelVersion | None, Evaluation | None]:
-        """What serves the workload now: its champion, else the default workload's champion."""
+        """What serves the workload now: its champion, else the default workload's champion. A
+        baseline that is itself bad serves nowhere (nodes refuse it) and is gated without; one out of
+        reach (disk, S3, MLflow) leaves the candidate undecided: judged against nothing, a worse
+        candidate would pass."""
         mv = champion
         if mv is None and workload != "default":
             mv = alias_version(self.client, model_name(self.head.fingerprint, "default"), CHAMPION)
@@ -403,12 +544,15 @@ class Gate:
             return None, None
         try:
             return mv, self.evaluate(mv, examples, profile)
-        except (ArtifactRefused, DraftLoadError, DraftMismatchError, OSError) as e:
+        except BAD_VERSION as e:
             log.warning("baseline %s v%s unusable, gating without it: %s", mv.name, mv.version, e)
             return None, None
+        except Exception as e:
+            raise NoVerdict(f"baseline {mv.name} v{mv.version} out of reach: {e}") from e
 
     def evaluate(self, mv: ModelVersion, examples: list[Example], profile: StepProfile | None) -> Evaluation:
-        folder = download_version(self.client, mv, self.cfg.cache_dir)
+        # the cache keeps what a decision reads: candidate, champion and the earlier champions
+        folder = download_version(self.client, mv, self.cfg.cache_dir, keep=self.cfg.recall + 2)
         h = self.head
         draft = Eagle3Draft.load(folder, h.embed, h.config, h.fingerprint, torch.float32).eval()
         m = evaluate(draft, h.lm_head, examples, self.train_cfg)
@@ -439,6 +583,18 @@ class Gate:
     def close(self) -> None:
         for h in self.held_out.values():
             h.close()
+        self._release()
+
+    def _release(self) -> None:
+        try:
+            self.lease.release()
+        except Exception as e:  # the registry is away: the lease expires on its own
+            log.warning("could not release the gate lease: %s", e)
+
+
+def backoff(poll_seconds: float, failures: int, cap: float) -> float:
+    """The wait after `failures` failing passes in a row: the poll interval, doubled for each."""
+    return min(poll_seconds * 2 ** min(failures, 30), max(cap, poll_seconds))
 
 
 def _number(mv: ModelVersion) -> int:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -25,6 +27,7 @@ CHAMPION = "champion"
 PREVIOUS = "previous"
 SHA_TAG = "sha256."  # + relative file name
 PROFILE_TAG = "serving.profile"  # a serving node's measured step times (JSON), read by the gate
+CACHE_KEEP = 4  # downloaded versions kept per model (the champion, previous, a candidate or two)
 
 
 class ArtifactRefused(RuntimeError):
@@ -71,12 +74,14 @@ def _artifact_path(source: str) -> str:
     return source.split("/", 2)[2] if source.startswith("runs:/") else source
 
 
-def download_version(client: MlflowClient, mv: ModelVersion, root: Path) -> Path:
+def download_version(client: MlflowClient, mv: ModelVersion, root: Path, keep: int = CACHE_KEEP) -> Path:
     """A version's draft folder under `root`, downloaded once and checked against its sha256 tags.
 
-    A folder whose files do not match their tags is deleted and refused (ArtifactRefused "checksum");
-    a version without checksums is refused too ("unverified"). Download failures raise as they are:
-    the caller tells an unreachable store from a bad artifact.
+    Every file of the folder must have a tag and every tag its file, with the same digest: anything
+    else is deleted and refused (ArtifactRefused "checksum"; a file without a tag "unverified", as is a
+    version without any). A cached copy that fails is downloaded again once, so a damaged cache does not
+    refuse a good version. Download failures raise as they are: the caller tells an unreachable store
+    from a bad artifact. The model's cache keeps the `keep` versions used last.
     """
     expected = {k[len(SHA_TAG) :]: v for k, v in (mv.tags or {}).items() if k.startswith(SHA_TAG)}
     if not expected:
@@ -84,29 +89,76 @@ def download_version(client: MlflowClient, mv: ModelVersion, root: Path) -> Path
     out = root / mv.name / str(mv.version)
     artifact = _artifact_path(mv.source or "")
     local = out / Path(artifact).name  # where MLflow puts a downloaded folder
-    if not (local / "config.json").exists():
-        # several processes may share the cache: each downloads into its own folder, the first
-        # rename wins, and whichever copy stays is checked below
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    cached = (local / "config.json").exists()
+    if not cached:
+        _download(client, mv, artifact, out, local)
+    try:
+        _verify(mv, expected, local)
+    except ArtifactRefused:
+        shutil.rmtree(out, ignore_errors=True)
+        if not cached:
+            raise
+        _download(client, mv, artifact, out, local)
         try:
-            client.download_artifacts(mv.run_id or "", artifact, str(tmp))
-            if not (local / "config.json").exists():
-                shutil.rmtree(out, ignore_errors=True)
-                tmp.rename(out)
-        except OSError:
-            if not (local / "config.json").exists():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _verify(mv, expected, local)
+        except ArtifactRefused:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+    os.utime(out)  # last used: what the cache's retention goes by
+    prune_cache(out.parent, keep)
+    return local
+
+
+def _download(client: MlflowClient, mv: ModelVersion, artifact: str, out: Path, local: Path) -> None:
+    # several processes may share the cache: each downloads into its own folder, the first
+    # rename wins, and whichever copy stays is checked after
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        client.download_artifacts(mv.run_id or "", artifact, str(tmp))
+        if not (local / "config.json").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+    except OSError:
+        if not (local / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _verify(mv: ModelVersion, expected: dict[str, str], local: Path) -> None:
+    """The folder holds exactly the tagged files, each with its digest: a config, a weight file or an
+    export that no tag covers could be anything."""
     actual = file_hashes(local)
+    untagged = sorted(actual.keys() - expected.keys())
+    if untagged:
+        raise ArtifactRefused(
+            "unverified", f"{mv.name} version {mv.version}: no sha256 tag for {', '.join(untagged)}"
+        )
     wrong = sorted(f for f, digest in expected.items() if actual.get(f) != digest)
     if wrong:
-        shutil.rmtree(out, ignore_errors=True)
         raise ArtifactRefused(
             "checksum", f"{mv.name} version {mv.version}: sha256 mismatch for {', '.join(wrong)}"
         )
-    return local
+
+
+def prune_cache(folder: Path, keep: int) -> None:
+    """Keep the `keep` versions of a model used last (each use touches its folder); downloads left
+    behind by a killed process go once they are an hour old."""
+    if not folder.is_dir():
+        return
+    versions, stale = [], time.time() - 3600
+    for p in folder.iterdir():
+        try:
+            if p.name.startswith("."):
+                if p.stat().st_mtime < stale:
+                    shutil.rmtree(p, ignore_errors=True)
+            elif p.is_dir():
+                versions.append((p.stat().st_mtime, p))
+        except FileNotFoundError:  # another process pruned it first
+            continue
+    for _, p in sorted(versions, reverse=True)[max(keep, 1) :]:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def register_version(
@@ -135,6 +187,24 @@ def register_folder(
     mv = register_version(client, name, run.info.run_id, folder, "draft", tags or {})
     client.set_terminated(run.info.run_id)
     return mv
+
+
+class AliasMoved(RuntimeError):
+    """An alias no longer points where its mover read it: someone else acted in between."""
+
+
+def move_alias(client: MlflowClient, name: str, alias: str, expected: str | None, to: str | None) -> None:
+    """Point `alias` at version `to` (None: remove it), only if it still points at `expected` (None:
+    nowhere), read again just before: a compare-and-set as far as MLflow allows (it has no
+    conditional write; the window shrinks from a whole decision to one round trip)."""
+    now = alias_version(client, name, alias)
+    if (str(now.version) if now is not None else None) != expected:
+        where = f"v{now.version}" if now is not None else "nowhere"
+        raise AliasMoved(f"{name}: {alias} points at {where} now, not v{expected}: left as it is")
+    if to is None:
+        client.delete_registered_model_alias(name, alias)
+    else:
+        client.set_registered_model_alias(name, alias, to)
 
 
 def set_tags(client: MlflowClient, mv: ModelVersion, tags: dict[str, object]) -> None:

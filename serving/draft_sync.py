@@ -2,14 +2,16 @@
 
 A background thread polls the champion alias of `default` and of every workload the node has
 served. On a change it downloads the version (MLflow; S3 through boto3 when the store is S3),
-checks the files against the version's sha256 tags, loads and checks the draft (shapes,
-finiteness, target fingerprint) off the engine's thread, and hands it to the engine, which swaps it
-in between two steps. A refused version is counted and remembered; the old draft keeps serving.
+checks every file against the version's sha256 tags, loads and checks the draft (every config
+field against the target, shapes, finiteness, the vocabulary map, a forward on a few tokens) off
+the engine's thread, and hands it to the engine, which swaps it in between two steps. A refused
+version is counted and remembered; the old draft keeps serving.
 
 After a swap the node watches the draft's live acceptance. If, over `rollback_min_steps` sequence
 steps, tokens per step fall short of the gate's prediction (`gate.tau_gamma<gamma>`) by more than
 `rollback_tolerance`, the node goes back to the `previous` version, points `champion` there (so
-every node follows) and tags the version with what it measured.
+every node follows) if `champion` still points at the version it judged (a gate or another node
+may have moved it since: then it is left alone), and tags the version with what it measured.
 
 A registry or store that is away costs nothing but a counter: the engine keeps its draft and the
 next poll tries again.
@@ -34,10 +36,12 @@ from tide.registry.store import (
     CHAMPION,
     PREVIOUS,
     PROFILE_TAG,
+    AliasMoved,
     ArtifactRefused,
     alias_version,
     download_version,
     model_name,
+    move_alias,
     set_tags,
 )
 from tide.serving.cost_model import measure_profile
@@ -165,7 +169,7 @@ class DraftSync:
         except DraftMismatchError as e:
             reason, message = "foreign_target", str(e)
         except DraftLoadError as e:
-            reason, message = "invalid_weights", str(e)
+            reason, message = e.reason, str(e)
         self.refused.add((mv.name, str(mv.version)))
         self.stats.refused[reason] += 1
         log.error(
@@ -233,15 +237,19 @@ class DraftSync:
         # None: the workload falls back to the default draft
         self.engine.set_draft(draft, workload, _predicted(prev) or None if prev is not None else None)
         self.following.pop(workload, None)
+        to = str(prev.version) if draft is not None and prev is not None else None
         if draft is not None and prev is not None:
             self.following[workload] = Following(
                 f.name, str(prev.version), draft.cfg.version, _predicted(prev), True
             )
-            self.client.set_registered_model_alias(f.name, CHAMPION, prev.version)
-        else:
-            self.client.delete_registered_model_alias(f.name, CHAMPION)
+        try:  # only if the champion is still the version judged here; else the next poll follows it
+            move_alias(self.client, f.name, CHAMPION, f.version, to)
+            moved = "moved"
+        except AliasMoved as e:
+            log.warning("%s; this node rolled back alone", e)
+            moved = f"left alone: {e}"
         self._tag(f, {**tags, "rollback.reason": reason, "rollback.node": self.cfg.node,
-                      "rollback.to": str(prev.version) if draft is not None and prev else "default draft",
+                      "rollback.to": to or "default draft", "rollback.champion": moved,
                       "rollback.time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})  # fmt: skip
         self.stats.rollbacks += 1  # counted once its evidence is on the version
 

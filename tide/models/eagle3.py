@@ -11,6 +11,7 @@ output back as `hidden`. The embedding is the target's and is never saved with t
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,20 @@ from torch import nn
 from tide.models.llama import MLP, Batch, LlamaConfig, RMSNorm, Rope, apply_rope, attend, write_kv
 
 DRAFT_FORMAT = "tide-eagle3/1"
+SMOKE_TOKENS = 4  # the forward a draft must survive before anything serves or judges it
 
 
 class DraftMismatchError(ValueError):
-    """A draft made for another target (fingerprint, hidden size, aux layers or vocabulary)."""
+    """A draft made for another target (fingerprint, hidden size, aux layers, vocabulary, positions)."""
 
 
 class DraftLoadError(ValueError):
-    """A draft folder that is incomplete, corrupt or holds non-finite weights."""
+    """A draft folder that is incomplete, corrupt, inconsistent or holds non-finite weights;
+    `reason` labels the refusal for counters (invalid_weights, invalid_config, invalid_vocab, smoke)."""
+
+    def __init__(self, message: str, reason: str = "invalid_weights"):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -69,6 +76,41 @@ class DraftConfig:
             target_fingerprint=fingerprint,
         )
 
+    def check(self) -> None:
+        """Refuse values no draft can run with, before anything is built from them (a size of 0 or
+        a string makes the modules raise arbitrary errors; an odd head_dim breaks the rotary halves)."""
+        problems = []
+        sizes = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                 "max_position", "target_vocab_size", "draft_vocab_size")  # fmt: skip
+        for name in sizes:
+            v = getattr(self, name)
+            if not _is_int(v) or v <= 0:
+                problems.append(f"{name} {v!r} is not a positive integer")
+        for name in ("rms_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                problems.append(f"{name} {v!r} is not a positive finite number")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            problems.append(f"rope_scaling {self.rope_scaling!r} is not an object")
+        aux = self.aux_layer_ids
+        if not isinstance(aux, list) or len(aux) != 3 or not all(_is_int(i) and i >= 0 for i in aux):
+            problems.append(f"aux_layer_ids {aux!r} are not three layer ids")
+        if not isinstance(self.target_fingerprint, str) or not isinstance(self.version, str):
+            problems.append("target_fingerprint and version must be strings")
+        if not isinstance(self.extra, dict):
+            problems.append("extra must be an object")
+        if not problems:
+            if self.num_heads % self.num_kv_heads:
+                problems.append(f"{self.num_heads} heads do not group over {self.num_kv_heads} kv heads")
+            if self.head_dim % 2:
+                problems.append(f"head_dim {self.head_dim} is odd (rotary embedding rotates halves)")
+            if self.draft_vocab_size > self.target_vocab_size:
+                problems.append(
+                    f"draft vocabulary {self.draft_vocab_size} > target's {self.target_vocab_size}"
+                )
+        if problems:
+            raise DraftLoadError("bad draft config: " + "; ".join(problems), "invalid_config")
+
     def check_target(self, cfg: LlamaConfig, fingerprint: str) -> None:
         problems = []
         if self.target_fingerprint != fingerprint:
@@ -77,8 +119,14 @@ class DraftConfig:
             problems.append(f"hidden size {self.hidden_size} != {cfg.hidden_size}")
         if list(self.aux_layer_ids) != list(cfg.aux_layer_ids):
             problems.append(f"aux layers {self.aux_layer_ids} != {list(cfg.aux_layer_ids)}")
+        if any(not 0 <= i < cfg.num_layers for i in self.aux_layer_ids):
+            problems.append(f"aux layers {self.aux_layer_ids} outside the target's {cfg.num_layers} layers")
         if self.target_vocab_size != cfg.vocab_size:
             problems.append(f"vocabulary {self.target_vocab_size} != {cfg.vocab_size}")
+        # the rotary table is sized by it: a shorter one fails at the first position past it, in a
+        # serving step; a longer one only costs memory the target can never use
+        if self.max_position != cfg.max_position:
+            problems.append(f"max position {self.max_position} != {cfg.max_position}")
         if problems:
             raise DraftMismatchError("draft was made for another target: " + "; ".join(problems))
 
@@ -248,9 +296,12 @@ class Eagle3Draft(nn.Module):
         fingerprint: str,
         dtype: torch.dtype,
     ) -> Eagle3Draft:
+        """A checked draft: config against the target, tensors against the config (shapes, finite
+        weights, a vocabulary map exact sampling can use), then a forward on a few tokens."""
         folder = Path(folder)
-        cfg, state = read_folder(folder)
+        cfg = read_config(folder)
         cfg.check_target(target_cfg, fingerprint)
+        state = read_state(folder, cfg)
         for name, t in state.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise DraftLoadError(f"{folder}: non-finite values in {name}")
@@ -259,26 +310,119 @@ class Eagle3Draft(nn.Module):
             draft.load_state_dict(state, strict=True)
         except RuntimeError as e:
             raise DraftLoadError(f"{folder}: weights do not fit the config: {e}") from e
-        return draft.to(dtype).eval()
+        draft = draft.to(dtype).eval()
+        draft.smoke_test()
+        return draft
+
+    def smoke_test(self, tokens: int = SMOKE_TOKENS) -> None:
+        """A first and a chained draft step on a few tokens, as serving runs them: finite weights can
+        still overflow (or a config pass every check and fail in a step), and a step that fails
+        in serving fails a whole batch."""
+        c = self.cfg
+        dtype = self.fc.weight.dtype
+        g = torch.Generator().manual_seed(0)
+        aux = torch.randn(1, tokens, 3 * c.hidden_size, generator=g).to(dtype)
+        ids = torch.randint(0, c.target_vocab_size, (2, 1, tokens), generator=g)
+        positions = torch.arange(tokens).unsqueeze(0)
+        cache = self.new_cache(1, 2 * tokens + 1, dtype)
+        try:
+            with torch.no_grad():
+                out = self(self.fc(aux), ids[0], Batch.make(0, positions, None, 2 * tokens + 1), cache)
+                out = self(out, ids[1], Batch.make(0, positions + tokens, None, 2 * tokens + 1), cache)
+                logits = self.logits(out)
+        except Exception as e:  # whatever a broken draft raises, it is refused, not served
+            raise DraftLoadError(
+                f"draft {c.version}: a forward on {tokens} tokens failed: {e}", "smoke"
+            ) from e
+        if logits.shape != (1, tokens, c.draft_vocab_size):
+            raise DraftLoadError(f"draft {c.version}: forward gave logits {tuple(logits.shape)}", "smoke")
+        if not bool(torch.isfinite(logits).all()):
+            raise DraftLoadError(
+                f"draft {c.version}: non-finite logits from a forward on {tokens} tokens", "smoke"
+            )
 
 
 def read_folder(folder: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
-    """A draft folder's config and raw tensors, checked only for being readable (no target needed)."""
+    """A draft folder's config and tensors, checked against each other (no target needed)."""
+    cfg = read_config(folder)
+    return cfg, read_state(folder, cfg)
+
+
+def read_config(folder: Path) -> DraftConfig:
+    """A draft folder's config, every field of a usable type and range. A file that is missing or
+    not JSON is the draft's fault (DraftLoadError); a disk that fails to read it is not (OSError)."""
     try:
         raw = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DraftLoadError(f"{folder}: unreadable config.json: {e}") from e
-    if raw.pop("format", None) != DRAFT_FORMAT:
-        raise DraftLoadError(f"{folder}: not a {DRAFT_FORMAT} draft folder")
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DraftLoadError(f"{folder}: unreadable config.json: {e}", "invalid_config") from e
+    if not isinstance(raw, dict) or raw.pop("format", None) != DRAFT_FORMAT:
+        raise DraftLoadError(f"{folder}: not a {DRAFT_FORMAT} draft folder", "invalid_config")
     try:
         cfg = DraftConfig(**raw)
     except TypeError as e:
-        raise DraftLoadError(f"{folder}: bad config.json: {e}") from e
+        raise DraftLoadError(f"{folder}: bad config.json: {e}", "invalid_config") from e
+    cfg.check()
+    return cfg
+
+
+def read_state(folder: Path, cfg: DraftConfig) -> dict[str, torch.Tensor]:
+    """A draft folder's tensors: each of the shape its config implies, and a vocabulary map that
+    exact speculative sampling can use (d2t: distinct target ids within the target vocabulary,
+    t2d: exactly those)."""
+    path = folder / "model.safetensors"
     try:
-        state = load_file(str(folder / "model.safetensors"))
+        state = load_file(str(path))
+    except OSError as e:
+        if not isinstance(e, FileNotFoundError):
+            raise  # the disk, not the draft
+        raise DraftLoadError(f"{folder}: no model.safetensors") from e
     except Exception as e:  # safetensors raises several types for truncated or corrupt files
         raise DraftLoadError(f"{folder}: unreadable model.safetensors: {e}") from e
-    return cfg, state
+    with torch.device("meta"):  # the shapes the config implies, without allocating them
+        try:
+            expected = {
+                k: tuple(v.shape) for k, v in Eagle3Draft(cfg, nn.Embedding(1, 1)).state_dict().items()
+            }
+        except Exception as e:  # a config that passed check() but cannot build (a rope_scaling)
+            raise DraftLoadError(f"{folder}: config builds no draft: {e}", "invalid_config") from e
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if got != expected:
+        wrong = sorted(k for k in expected.keys() | got.keys() if got.get(k) != expected.get(k))
+        detail = ", ".join(f"{k} {got.get(k)} (config: {expected.get(k)})" for k in wrong[:4])
+        raise DraftLoadError(f"{folder}: weights do not fit the config: {detail}")
+    check_vocab(cfg, state["d2t"], state["t2d"], str(folder))
+    return state
+
+
+def check_vocab(cfg: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
+    """Draft id i says target id i + d2t[i]: every one must exist and no two may be the same (the
+    draft's probabilities are scattered onto target ids, so a duplicate loses mass and exact
+    sampling is no longer exact); t2d marks exactly those target ids."""
+    if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
+        raise DraftLoadError(f"{where}: d2t holds {d2t.dtype}, not integers", "invalid_vocab")
+    if t2d.dtype != torch.bool:
+        raise DraftLoadError(f"{where}: t2d holds {t2d.dtype}, not booleans", "invalid_vocab")
+    ids = torch.arange(cfg.draft_vocab_size) + d2t.long()
+    outside = (ids < 0) | (ids >= cfg.target_vocab_size)
+    if bool(outside.any()):
+        raise DraftLoadError(
+            f"{where}: d2t maps {int(outside.sum())} draft ids outside the target vocabulary "
+            f"[0, {cfg.target_vocab_size})",
+            "invalid_vocab",
+        )
+    if ids.unique().numel() != ids.numel():
+        raise DraftLoadError(
+            f"{where}: d2t maps {ids.numel() - ids.unique().numel()} draft ids onto target ids already taken",
+            "invalid_vocab",
+        )
+    marked = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
+    marked[ids] = True
+    if not torch.equal(marked, t2d.cpu()):
+        raise DraftLoadError(f"{where}: t2d does not mark exactly the target ids of d2t", "invalid_vocab")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
