@@ -197,6 +197,11 @@ OK_CHAT = {"model": "tide", "messages": [{"role": "user", "content": "Hi"}], "ma
         ("stop", {"stop": ["x" * 257]}),
         ("stop", {"stop": ["a", "b", "c", "d", "e"]}),
         ("messages", {"messages": [{"role": "user", "content": "hi"}] * 1025}),
+        ("messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 257}]}),
+        (
+            "context",
+            {"messages": [{"role": "user", "content": "word " * 1000}]},
+        ),  # long text: the room decides
         ("messages", {"messages": [{"role": "user", "content": 5}]}),
         ("messages", {"messages": [{"role": "user", "content": "\ud800"}]}),
         ("messages", {"messages": [{"role": "wizard", "content": "hi"}]}),
