@@ -5,6 +5,7 @@ saying why, and the old champion stays reachable as `previous`."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from .drafts import Registrar, copy_draft, foreign_draft, nan_draft, noisy_draft
 @pytest.fixture(scope="module")
 def gate_setup(
     kafka: KafkaBroker, registry: MlflowServer, target_native: Target, trained_draft_dir: Path
-) -> tuple[Gate, Registrar]:
+) -> Iterator[tuple[Gate, Registrar]]:
     workload = f"gate-{uuid.uuid4().hex[:6]}"
     # held-out records of the workload: request ids the trainers never learn from
     serve_into_kafka(target_native, kafka.bootstrap, workload, "code.jsonl", 8, held_out=True)
@@ -40,7 +41,10 @@ def gate_setup(
     # the records are served once, here: the whole module judges on all of them, however long it runs
     cfg = GateConfig(registry.url, kafka.bootstrap, registry.data_dir / "gate-cache", held_out_seconds=3600)
     gate = Gate(cfg, load_head())
-    return gate, reg
+    try:
+        yield gate, reg
+    finally:
+        gate.close()  # releases the registry's gate lease for the next module's gate
 
 
 def _decide(gate: Gate, reg: Registrar) -> dict[str, str]:
