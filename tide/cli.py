@@ -180,6 +180,8 @@ def train_online(
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """Train a workload's draft from its Kafka topic; publish candidates to MLflow."""
+    import signal
+    import threading
     from dataclasses import asdict
 
     from tide.config import cache_dir
@@ -220,8 +222,11 @@ def train_online(
         except WorkloadTaken as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
+        # SIGTERM (`tide up` stopping, a pod's end) finishes the step and checkpoints what was read
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
-            ledger = trainer.run(max_steps or None, idle_seconds or None)
+            ledger = trainer.run(max_steps or None, idle_seconds or None, stop)
         finally:
             trainer.close()
             if sink is not None:

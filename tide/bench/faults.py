@@ -367,7 +367,7 @@ def _rss(stack: Any) -> dict[str, float | None]:
 
 
 # -- the records' accounting -------------------------------------------------------------------------
-def _topic_keys(bootstrap: str, workload: str, fingerprint: str) -> tuple[Counter[str], int]:
+def _topic_keys(bootstrap: str, workload: str, fingerprint: str, shape: Any) -> tuple[Counter[str], int]:
     """Every usable record of the workload's topic by (request, chunk), and how many were not usable."""
     from confluent_kafka import Consumer, TopicPartition
 
@@ -396,7 +396,7 @@ def _topic_keys(bootstrap: str, workload: str, fingerprint: str) -> tuple[Counte
                 if offset + 1 >= ends[part]:
                     left.discard(part)
                 try:
-                    keys[record_key(decode(m.value() or b"", fingerprint))] += 1
+                    keys[record_key(decode(m.value() or b"", fingerprint, shape, workload))] += 1
                 except (RecordError, ValueError):
                     refused += 1
     finally:
@@ -422,6 +422,7 @@ def _percentiles(xs: list[float]) -> dict[str, float | None]:
 def run_faults_bench(cfg: FaultsBenchConfig) -> dict[str, Any]:
     from tide.config import default_draft_dir
     from tide.models.loader import load_head
+    from tide.producers.records import TargetShape
     from tide.registry.store import model_name
     from tide.stack import Stack, StackConfig
 
@@ -481,7 +482,7 @@ def run_faults_bench(cfg: FaultsBenchConfig) -> dict[str, Any]:
         rss_end = _rss(stack)
         load.join()
         watcher.join()
-        records = _audit_records(stack, workloads, fp, work)
+        records = _audit_records(stack, workloads, fp, TargetShape(d, vocab), work)
     finally:
         stack.stop()
         if cfg.work_dir is None:
@@ -495,7 +496,7 @@ def _free() -> int:
     return free_port()
 
 
-def _audit_records(stack: Any, workloads: list[str], fp: str, work: Path) -> dict[str, Any]:
+def _audit_records(stack: Any, workloads: list[str], fp: str, shape: Any, work: Path) -> dict[str, Any]:
     """After the load: let each trainer catch up and checkpoint, then hold its ledger against its topic."""
     from tide.infra.process import stop_group
 
@@ -513,15 +514,17 @@ def _audit_records(stack: Any, workloads: list[str], fp: str, work: Path) -> dic
     out: dict[str, Any] = {"published": 0, "trained": 0, "lost": 0, "trained_twice": 0,
                            "delivered_twice": 0, "refused_in_topic": 0, "by_workload": {}}  # fmt: skip
     for w in workloads:
-        keys, refused = _topic_keys(stack.bootstrap, w, fp)
-        ledger = _ledger(work / "trainers" / w) or {"trained": [], "records": 0}
+        keys, refused = _topic_keys(stack.bootstrap, w, fp, shape)
+        ledger = _ledger(work / "trainers" / w) or {"trained": [], "records": 0, "forgotten": 0}
         trained = set(ledger["trained"])
         row = {
             "published": len(keys),
             "trained": len(trained & set(keys)),
             "lost": len(set(keys) - trained),
-            # the ledger counts a record once per training; a set of keys holds it once
-            "trained_twice": int(ledger["records"]) - len(trained),
+            # the ledger counts a record each time it is trained, and holds its key once (or forgets
+            # the oldest keys past its retention)
+            "trained_twice": int(ledger["records"]) - len(trained) - int(ledger.get("forgotten", 0)),
+            "forgotten": int(ledger.get("forgotten", 0)),
             "delivered_twice": sum(n - 1 for n in keys.values()),
             "refused_in_topic": refused,
             "skipped_by_trainer": ledger.get("skipped", 0),
@@ -615,8 +618,11 @@ def plot_faults_report(report: dict[str, Any], path: Path) -> None:
         "well-formed 200": lambda c: not c["hostile"] and c["status"] == "200",
         "well-formed 429": lambda c: not c["hostile"] and c["status"] == "429",
         "well-formed failed": lambda c: not c["hostile"] and c["status"] not in ("200", "429"),
-        "hostile (answered 4xx)": lambda c: c["hostile"] and c["status"].startswith("4"),
-        "hostile (other)": lambda c: c["hostile"] and not c["status"].startswith("4"),
+        "hostile, answered 4xx": lambda c: c["hostile"] and c["status"].startswith("4"),
+        "hostile, 200 (unknown workload names: served as default)": lambda c: (
+            c["hostile"] and c["status"] == "200"
+        ),
+        "hostile, other": lambda c: c["hostile"] and c["status"][0] not in "24",
     }
     for label, keep in series.items():
         xs = [c["start"] for c in calls if keep(c)]
