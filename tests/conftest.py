@@ -30,6 +30,7 @@ from tide.producers.records import is_held_out
 from tide.prompts import load_prompts
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
+from tide.stack import as_account
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "workloads"
@@ -210,8 +211,10 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 def registry(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
     """A real MLflow registry whose artifacts live in the S3 server; clients reach S3 through boto3,
     so the S3 settings are put into this process's environment (child processes inherit them)."""
-    os.environ.update(s3.env)
-    with MlflowServer(tmp_path_factory.mktemp("registry"), s3=s3, bucket="tide-drafts") as server:
+    with (
+        as_account(s3.env),
+        MlflowServer(tmp_path_factory.mktemp("registry"), s3=s3, bucket="tide-drafts") as server,
+    ):
         yield server
 
 

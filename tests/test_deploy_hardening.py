@@ -26,7 +26,7 @@ from tide.cli import app
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.process import free_port
 from tide.infra.s3.server import S3Server
-from tide.stack import BUCKET, Stack, StackConfig, StackSecrets, secrets_path
+from tide.stack import BUCKET, Stack, StackConfig, StackSecrets, as_account, secrets_path
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = Path(os.environ.get("TIDE_TOOLS", Path.home() / ".cache" / "tide" / "tools")) / "bin"
@@ -298,7 +298,7 @@ def test_stack_s3_roles_through_mlflow(tmp_path: Path, monkeypatch: pytest.Monke
     from tide.registry.store import register_folder
 
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_S3_ENDPOINT_URL", "AWS_DEFAULT_REGION"):
-        monkeypatch.delenv(k, raising=False)  # the stack sets them for itself: back as they were after
+        monkeypatch.delenv(k, raising=False)  # the stack leaves our environment alone: accounts are per part
     stack = Stack(StackConfig(tmp_path, mlflow_port=free_port(), s3=True))
     try:
         stack.start_step("s3")
@@ -306,7 +306,9 @@ def test_stack_s3_roles_through_mlflow(tmp_path: Path, monkeypatch: pytest.Monke
         draft = tmp_path / "draft"
         draft.mkdir()
         (draft / "config.json").write_text('{"draft": 1}')
-        mv = register_folder(MlflowClient(stack.registry), "fp", "default", draft)
+        with as_account(stack.role_env["trainer"]):  # as the stack registers its starting draft
+            mv = register_folder(MlflowClient(stack.registry), "fp", "default", draft)
+        assert "AWS_ACCESS_KEY_ID" not in os.environ
         env = {**os.environ, **stack.role_env["serving"]}
         node = subprocess.run([sys.executable, "-c", SERVING_NODE, stack.registry, mv.run_id or "",
                                str(tmp_path / "got")], env=env, capture_output=True, text=True)  # fmt: skip

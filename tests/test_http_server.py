@@ -156,6 +156,10 @@ def test_bad_input_gets_a_reason_and_the_server_keeps_serving(server: Server) ->
         ({**ok, "stop": ["a", "b", "c", "d", "e"]}, openai.BadRequestError, "stop"),
         ({**ok, "messages": _chat("word " * 1000)}, openai.BadRequestError, "context"),
         ({**ok, "max_tokens": 100_000}, openai.BadRequestError, "context"),
+        # issue 30: was a 500 for the whole batch
+        ({**ok, "extra_body": {"top_k": 2**63}}, openai.BadRequestError, "top_k"),
+        ({**ok, "seed": 2**64}, openai.BadRequestError, "seed"),
+        ({**ok, "stop": ["x" * 300]}, openai.BadRequestError, "stop"),
     ]
     for body, error, reason in bad:
         with pytest.raises(error) as info:
@@ -170,6 +174,12 @@ def test_bad_input_gets_a_reason_and_the_server_keeps_serving(server: Server) ->
     )
     assert wrong.status_code == 400 and "workload" in wrong.json()["error"]["message"]
     assert httpx.post(f"{server.url}/v1/completions", json={"model": "tide"}).status_code == 400
+    nested = httpx.post(f"{server.url}/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+    assert nested.status_code == 400 and "JSON" in nested.json()["error"]["message"]
+    # a lone surrogate reaches no tokenizer
+    surrogate = json.dumps({**ok, "messages": _chat("\ud800")})
+    assert httpx.post(f"{server.url}/v1/chat/completions", content=surrogate).status_code == 400
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     assert client.chat.completions.create(**ok).choices[0].message.content is not None
 
 

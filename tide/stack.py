@@ -21,6 +21,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,33 @@ MAX_BACKOFF = 30.0
 BUCKET = MlflowServer.bucket  # S3 mode: MLflow's artifacts
 
 
+@contextlib.contextmanager
+def as_account(env: dict[str, str]) -> Iterator[None]:
+    """This process talks to S3 with the account in `env` for the block only (we may be a library)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    _forget_s3_clients()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _forget_s3_clients()
+
+
+def _forget_s3_clients() -> None:
+    """boto3's default session keeps the keys it first read, and MLflow caches its S3 clients by endpoint,
+    not by keys: both would go on calling with the previous account."""
+    import boto3
+    from mlflow.store.artifact import s3_artifact_repo
+
+    boto3.DEFAULT_SESSION = None
+    s3_artifact_repo._cached_get_s3_client.cache_clear()
+
+
 def _tide() -> str:
     return str(Path(sys.executable).parent / "tide")
 
@@ -173,8 +201,6 @@ class Stack:
             s3 = self.s3_server().start()
             self.services.append(s3)
             self._s3_accounts(s3)
-            # the stack registers its starting draft itself, with the trainers' account
-            os.environ.update(self.role_env["trainer"])
         elif step == "mlflow":
             s3 = next((s for s in self.services if isinstance(s, S3Server)), None)
             self.mlflow = MlflowServer(data / "mlflow", cfg.mlflow_port, cfg.host, s3=s3, bucket=BUCKET,
@@ -237,7 +263,8 @@ class Stack:
         folder = self.cfg.draft or default_draft_dir(fp)
         client = MlflowClient(self.registry)
         if alias_version(client, model_name(fp, "default"), CHAMPION) is None:
-            mv = register_folder(client, fp, "default", folder, {"source": "tide up: the starting draft"})
+            with as_account(self.role_env.get("trainer", {})):
+                mv = register_folder(client, fp, "default", folder, {"source": "tide up: the starting draft"})
             client.set_registered_model_alias(mv.name, CHAMPION, mv.version)
 
     @property
