@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
@@ -81,7 +83,8 @@ class RecordConsumer:
                 "logger": log,
             }
         )
-        self.consumer.subscribe([topic_for(w) for w in workloads])
+        self.consumer.subscribe([topic_for(w) for w in workloads], on_assign=_log_assignment("assigned"),
+                                on_revoke=_log_assignment("revoked"), on_lost=_log_assignment("lost"))  # fmt: skip
 
     @property
     def assigned(self) -> bool:
@@ -136,3 +139,16 @@ class RecordConsumer:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def _log_assignment(what: str) -> Callable[[Any, list[TopicPartition]], None]:
+    """Which partitions a group member holds, in its log: a stalled reader shows there."""
+
+    def log_it(_: Any, parts: list[TopicPartition]) -> None:
+        log.info(
+            "consumer: partitions %s: %s",
+            what,
+            ", ".join(f"{p.topic}:{p.partition}" for p in parts) or "none",
+        )
+
+    return log_it

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import typer
 
-from tide.config import DTYPE_HELP, default_draft_dir, parse_dtype
+from tide.config import DTYPE_HELP, default_draft_dir, give_freed_tensors_back, parse_dtype
 from tide.prompts import Prompt
 
 app = typer.Typer(
@@ -19,6 +19,7 @@ app = typer.Typer(
 )
 draft_app = typer.Typer(no_args_is_help=True, help="Draft models: train, inspect.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks, side by side in one run.")
+app.callback()(give_freed_tensors_back)  # every tide process: the long-running parts above all
 app.add_typer(draft_app, name="draft")
 app.add_typer(bench_app, name="bench")
 

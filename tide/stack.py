@@ -215,7 +215,7 @@ class Stack:
                 draft = ["--start-draft", str(cfg.draft)] if cfg.draft else []
                 self._spawn(f"trainer:{w}", "trainer",
                             ["train", "--kafka", self.bootstrap, "--workload", w, "--mlflow", self.registry,
-                             "--state-dir", str(data / "trainers" / w), *draft, *self._model(),
+                             "--state-dir", str(self.trainer_state_dir(w)), *draft, *self._model(),
                              *cfg.extra.get("train", [])])  # fmt: skip
         elif step == "gate":
             self._spawn(
@@ -266,6 +266,9 @@ class Stack:
             with as_account(self.role_env.get("trainer", {})):
                 mv = register_folder(client, fp, "default", folder, {"source": "tide up: the starting draft"})
             client.set_registered_model_alias(mv.name, CHAMPION, mv.version)
+
+    def trainer_state_dir(self, workload: str) -> Path:
+        return self.cfg.data_dir / "trainers" / workload
 
     @property
     def bootstrap(self) -> str:

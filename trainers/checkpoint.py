@@ -135,11 +135,26 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(root: Path) -> Checkpoint | None:
+def checkpoints_dir(state_dir: Path) -> Path:
+    """Where a trainer with this `--state-dir` keeps its checkpoints."""
+    return state_dir / "checkpoints"
+
+
+def current_checkpoint(root: Path) -> Path | None:
     pointer = root / "CURRENT"
-    if not pointer.exists():
+    return root / pointer.read_text().strip() if pointer.exists() else None
+
+
+def load_ledger(root: Path) -> Ledger | None:
+    """The current checkpoint's ledger alone (what an audit reads; a resume reads everything)."""
+    folder = current_checkpoint(root)
+    return Ledger.from_json((folder / "ledger.json").read_text()) if folder else None
+
+
+def load_checkpoint(root: Path) -> Checkpoint | None:
+    folder = current_checkpoint(root)
+    if folder is None:
         return None
-    folder = root / pointer.read_text().strip()
     ledger = Ledger.from_json((folder / "ledger.json").read_text())
     optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
     replay = load_examples(folder / "replay.safetensors") if (folder / "replay.safetensors").exists() else []

@@ -42,7 +42,7 @@ from tide.models.loader import TargetHead
 from tide.producers.assembler import RequestAssembler, record_key
 from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HiddenStateRecord, TargetShape
-from tide.trainers.checkpoint import Ledger, finite_weights, load_checkpoint, save_checkpoint
+from tide.trainers.checkpoint import Ledger, checkpoints_dir, finite_weights, load_checkpoint, save_checkpoint
 from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, evaluate, select_vocab
 
 log = logging.getLogger("tide.trainers")
@@ -279,7 +279,7 @@ class OnlineTrainer:
         claim_workload(cfg.bootstrap, self.group)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.lm_head = head.lm_head.to(self.device)
-        self.ckpt_dir = cfg.state_dir / "checkpoints"
+        self.ckpt_dir = checkpoints_dir(cfg.state_dir)
         resumed = load_checkpoint(self.ckpt_dir)
         source = resumed.draft_dir if resumed else start_draft
         self.draft = Eagle3Draft.load(source, head.embed, head.config, head.fingerprint, torch.float32)

@@ -296,6 +296,7 @@ def _bad_version(stack: Any, fingerprint: str, workload: str, kind: str, draft_d
     from mlflow import MlflowClient
 
     from tide.registry.store import register_folder
+    from tide.stack import as_account
 
     client = MlflowClient(stack.registry)
     tmp = Path(tempfile.mkdtemp(prefix=f"faults-{kind}-"))
@@ -313,9 +314,10 @@ def _bad_version(stack: Any, fingerprint: str, workload: str, kind: str, draft_d
             name = sorted(k for k, v in tensors.items() if v.is_floating_point())[0]
             tensors[name].view(-1)[0] = float("nan")
             save_file(tensors, weights, metadata={"format": "pt"})
-        mv = register_folder(
-            client, fingerprint, workload, folder, {INJECTED_TAG: kind, "source": "tide bench faults"}
-        )
+        with as_account(stack.role_env.get("trainer", {})):  # who can write drafts: an operator, a trainer
+            mv = register_folder(
+                client, fingerprint, workload, folder, {INJECTED_TAG: kind, "source": "tide bench faults"}
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if kind == "tampered":  # the stored weights change after their checksum was tagged
@@ -404,13 +406,6 @@ def _topic_keys(bootstrap: str, workload: str, fingerprint: str, shape: Any) -> 
     return keys, refused
 
 
-def _ledger(state_dir: Path) -> dict[str, Any] | None:
-    pointer = state_dir / "CURRENT"
-    if not pointer.exists():
-        return None
-    return json.loads((state_dir / pointer.read_text().strip() / "ledger.json").read_text())
-
-
 def _percentiles(xs: list[float]) -> dict[str, float | None]:
     if not xs:
         return {"p50": None, "p99": None, "n": 0}
@@ -482,7 +477,7 @@ def run_faults_bench(cfg: FaultsBenchConfig) -> dict[str, Any]:
         rss_end = _rss(stack)
         load.join()
         watcher.join()
-        records = _audit_records(stack, workloads, fp, TargetShape(d, vocab), work)
+        records = _audit_records(stack, workloads, fp, TargetShape(d, vocab))
     finally:
         stack.stop()
         if cfg.work_dir is None:
@@ -496,9 +491,10 @@ def _free() -> int:
     return free_port()
 
 
-def _audit_records(stack: Any, workloads: list[str], fp: str, shape: Any, work: Path) -> dict[str, Any]:
+def _audit_records(stack: Any, workloads: list[str], fp: str, shape: Any) -> dict[str, Any]:
     """After the load: let each trainer catch up and checkpoint, then hold its ledger against its topic."""
     from tide.infra.process import stop_group
+    from tide.trainers.checkpoint import Ledger, checkpoints_dir, load_ledger
 
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:  # the trainers read what is left (their lag falls to 0)
@@ -515,19 +511,19 @@ def _audit_records(stack: Any, workloads: list[str], fp: str, shape: Any, work: 
                            "delivered_twice": 0, "refused_in_topic": 0, "by_workload": {}}  # fmt: skip
     for w in workloads:
         keys, refused = _topic_keys(stack.bootstrap, w, fp, shape)
-        ledger = _ledger(work / "trainers" / w) or {"trained": [], "records": 0, "forgotten": 0}
-        trained = set(ledger["trained"])
+        ledger = load_ledger(checkpoints_dir(stack.trainer_state_dir(w))) or Ledger()
+        trained = set(ledger.trained)
         row = {
             "published": len(keys),
             "trained": len(trained & set(keys)),
             "lost": len(set(keys) - trained),
             # the ledger counts a record each time it is trained, and holds its key once (or forgets
             # the oldest keys past its retention)
-            "trained_twice": int(ledger["records"]) - len(trained) - int(ledger.get("forgotten", 0)),
-            "forgotten": int(ledger.get("forgotten", 0)),
+            "trained_twice": ledger.records - len(trained) - ledger.forgotten,
+            "forgotten": ledger.forgotten,
             "delivered_twice": sum(n - 1 for n in keys.values()),
             "refused_in_topic": refused,
-            "skipped_by_trainer": ledger.get("skipped", 0),
+            "skipped_by_trainer": ledger.skipped,
         }
         out["by_workload"][w] = row
         for k in ("published", "trained", "lost", "trained_twice", "delivered_twice", "refused_in_topic"):
