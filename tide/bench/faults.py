@@ -369,8 +369,11 @@ def _rss(stack: Any) -> dict[str, float | None]:
 
 
 # -- the records' accounting -------------------------------------------------------------------------
-def _topic_keys(bootstrap: str, workload: str, fingerprint: str, shape: Any) -> tuple[Counter[str], int]:
-    """Every usable record of the workload's topic by (request, chunk), and how many were not usable."""
+def _topic_keys(
+    bootstrap: str, workload: str, fingerprint: str, shape: Any
+) -> tuple[Counter[str], dict[str, str], int]:
+    """Every usable record of the workload's topic by (request, chunk), where each first is
+    ("topic:partition@offset"), and how many were not usable."""
     from confluent_kafka import Consumer, TopicPartition
 
     from tide.producers.assembler import record_key
@@ -382,6 +385,7 @@ def _topic_keys(bootstrap: str, workload: str, fingerprint: str, shape: Any) -> 
                   "enable.auto.commit": False, "auto.offset.reset": "earliest",
                   "fetch.message.max.bytes": 8 << 20})  # fmt: skip
     keys: Counter[str] = Counter()
+    where: dict[str, str] = {}
     refused = 0
     try:
         meta = c.list_topics(topic, timeout=10).topics[topic]
@@ -398,12 +402,14 @@ def _topic_keys(bootstrap: str, workload: str, fingerprint: str, shape: Any) -> 
                 if offset + 1 >= ends[part]:
                     left.discard(part)
                 try:
-                    keys[record_key(decode(m.value() or b"", fingerprint, shape, workload))] += 1
+                    key = record_key(decode(m.value() or b"", fingerprint, shape, workload))
+                    keys[key] += 1
+                    where.setdefault(key, f"{topic}:{part}@{offset}")
                 except (RecordError, ValueError):
                     refused += 1
     finally:
         c.close()
-    return keys, refused
+    return keys, where, refused
 
 
 def _percentiles(xs: list[float]) -> dict[str, float | None]:
@@ -494,7 +500,6 @@ def _free() -> int:
 def _audit_records(stack: Any, workloads: list[str], fp: str, shape: Any) -> dict[str, Any]:
     """After the load: let each trainer catch up and checkpoint, then hold its ledger against its topic."""
     from tide.infra.process import stop_group
-    from tide.trainers.checkpoint import Ledger, checkpoints_dir, load_ledger
 
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:  # the trainers read what is left (their lag falls to 0)
@@ -507,16 +512,28 @@ def _audit_records(stack: Any, workloads: list[str], fp: str, shape: Any) -> dic
         if p.name.startswith("trainer:"):
             stop_group(p.proc, 120)
             stack.parts.remove(p)
-    out: dict[str, Any] = {"published": 0, "trained": 0, "lost": 0, "trained_twice": 0,
+    return count_records(stack.bootstrap, {w: stack.trainer_state_dir(w) for w in workloads}, fp, shape)
+
+
+def count_records(bootstrap: str, state_dirs: dict[str, Path], fp: str, shape: Any) -> dict[str, Any]:
+    """Each workload's topic against its trainer's checkpointed ledger (trainers stopped)."""
+    from tide.trainers.checkpoint import Ledger, checkpoints_dir, load_ledger
+
+    out: dict[str, Any] = {"published": 0, "trained": 0, "lost": 0, "unread": 0, "trained_twice": 0,
                            "delivered_twice": 0, "refused_in_topic": 0, "by_workload": {}}  # fmt: skip
-    for w in workloads:
-        keys, refused = _topic_keys(stack.bootstrap, w, fp, shape)
-        ledger = load_ledger(checkpoints_dir(stack.trainer_state_dir(w))) or Ledger()
+    for w, state_dir in state_dirs.items():
+        keys, where, refused = _topic_keys(bootstrap, w, fp, shape)
+        ledger = load_ledger(checkpoints_dir(state_dir)) or Ledger()
         trained = set(ledger.trained)
+        # past the checkpoint's offsets: not lost, its trainer reads it when it runs again
+        unread = {
+            k for k in set(keys) - trained if _offset(where[k]) >= ledger.offsets.get(_partition(where[k]), 0)
+        }
         row = {
             "published": len(keys),
             "trained": len(trained & set(keys)),
-            "lost": len(set(keys) - trained),
+            "lost": len(set(keys) - trained - unread),  # the checkpoint went past it and never trained it
+            "unread": len(unread),
             # the ledger counts a record each time it is trained, and holds its key once (or forgets
             # the oldest keys past its retention)
             "trained_twice": ledger.records - len(trained) - ledger.forgotten,
@@ -526,9 +543,25 @@ def _audit_records(stack: Any, workloads: list[str], fp: str, shape: Any) -> dic
             "skipped_by_trainer": ledger.skipped,
         }
         out["by_workload"][w] = row
-        for k in ("published", "trained", "lost", "trained_twice", "delivered_twice", "refused_in_topic"):
+        for k in (
+            "published",
+            "trained",
+            "lost",
+            "unread",
+            "trained_twice",
+            "delivered_twice",
+            "refused_in_topic",
+        ):
             out[k] += row[k]
     return out
+
+
+def _partition(where: str) -> str:
+    return where.rpartition("@")[0]
+
+
+def _offset(where: str) -> int:
+    return int(where.rpartition("@")[2])
 
 
 def _lag(bootstrap: str, workload: str) -> int | None:
