@@ -117,6 +117,8 @@ def test_skipping_prompt_anchors_changes_neither_loss_nor_gradients(monkeypatch:
     same loss, gradients and greedy-chain counts as running them over the prompts too."""
     from tide.trainers import ttt
 
+    monkeypatch.setattr(ttt, "SHAPE_STEP", 1)  # the start as it is, not rounded down to 0
+
     from .conftest import tiny_draft, tiny_target
 
     target = tiny_target()
@@ -150,6 +152,40 @@ def test_skipping_prompt_anchors_changes_neither_loss_nor_gradients(monkeypatch:
     for a, b in zip(skipped[1], full[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert torch.equal(skipped[2], full[2]) and torch.equal(skipped[3], full[3])
+
+
+def test_padding_to_shape_steps_changes_neither_loss_nor_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches padded to a multiple of SHAPE_STEP (and a first anchor rounded down) train exactly as
+    unpadded ones: the padding is masked and causal attention never looks ahead to it."""
+    from tide.trainers import ttt
+
+    from .conftest import tiny_draft, tiny_target
+
+    target = tiny_target()
+    head = target.model.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for n, learn_from in ((45, 30), (37, 20)):
+        toks = torch.randint(0, 256, (n,), generator=g)
+        aux, hidden = torch.randn(n, 3 * 64, generator=g), torch.randn(n, 64, generator=g)
+        examples.append(Example.make(toks, aux, hidden, head, learn_from))
+
+    def run(step: int) -> tuple[int, float, list[torch.Tensor], torch.Tensor]:
+        monkeypatch.setattr(ttt, "SHAPE_STEP", step)
+        batch = ttt.collate(examples, 10**9)
+        draft = tiny_draft(target, seed=3).train()
+        loss, corrects, valids = ttt.ttt_forward(draft, head, batch, 4, 0.8)
+        loss.backward()
+        accepted, _ = ttt.chain_accepted(corrects, valids)
+        grads = [p.grad.clone() for p in draft.parameters() if p.grad is not None]
+        return batch["tokens"].shape[1], float(loss.detach()), grads, accepted
+
+    exact, padded = run(1), run(32)
+    assert (exact[0], padded[0]) == (45, 64)
+    assert abs(exact[1] - padded[1]) < 1e-5 * abs(exact[1])
+    for a, b in zip(exact[2], padded[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert torch.equal(exact[3].sum(0), padded[3].sum(0))
 
 
 def test_tau_per_step_walks_the_chain_as_serving_does() -> None:
