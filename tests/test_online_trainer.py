@@ -41,8 +41,10 @@ def test_trainer_publishes_candidates_with_their_evidence(
         target_native, kafka.bootstrap, workload, "chat_fr.jsonl", 4, held_out=True, batch="h", start=12
     )
     head = load_head()
+    # every evaluation publishes (publish_every=1): this test is about the evidence a candidate carries;
+    # whether a few steps improve on the draft varies from machine to machine (it failed CI at 0 candidates)
     cfg = OnlineConfig(kafka.bootstrap, workload, tmp_path / "state", eval_every=4, checkpoint_every=8,
-                       publish_every=16, vocab_warmup_positions=512)  # fmt: skip
+                       publish_every=1, vocab_warmup_positions=512)  # fmt: skip
     sink = MlflowSink(registry.url, workload, head.fingerprint, {"batch_size": cfg.batch_size})
     trainer = OnlineTrainer(cfg, head, trained_draft_dir, sink, sink.log_step)
     result: list[Ledger] = []

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tide.infra.mlflow.server import MlflowServer
 from tide.infra.s3.server import S3Server
 from tide.models.loader import Target
+from tide.stack import as_account
 
 from .conftest import serve_process
 from .drafts import Registrar, copy_draft, foreign_draft, nan_draft
@@ -149,45 +150,44 @@ def test_a_draft_that_falls_short_live_is_rolled_back(
 
 
 def test_registry_or_store_away_serving_goes_on_and_catches_up(
-    target_native: Target, trained_draft_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    target_native: Target, trained_draft_dir: Path, tmp_path: Path
 ) -> None:
     """Its own registry and S3 server, so stopping them disturbs no other test."""
     store = S3Server(tmp_path / "s3").start()
-    for k, v in store.env.items():
-        monkeypatch.setenv(k, v)
-    mlflow = MlflowServer(tmp_path / "mlflow", s3=store, bucket="tide-away").start()
-    try:
-        workload = "away"
-        reg = Registrar(mlflow.url, target_native.fingerprint, workload)
-        v1 = reg.register(copy_draft(trained_draft_dir, tmp_path / "v1", "away-1"))
-        reg.champion(v1)
-        args = node_args(trained_draft_dir, mlflow.url, ("--workloads", workload))
-        with serve_process(args, tmp_path / "node.log", env=store.env) as url:
-            wait_for("v1", lambda: drafts(url).get(workload) == "away-1")
-            v2 = reg.register(copy_draft(trained_draft_dir, tmp_path / "v2", "away-2"))
+    with as_account(store.env):  # this test's own S3 account, for the in-process registrar
+        mlflow = MlflowServer(tmp_path / "mlflow", s3=store, bucket="tide-away").start()
+        try:
+            workload = "away"
+            reg = Registrar(mlflow.url, target_native.fingerprint, workload)
+            v1 = reg.register(copy_draft(trained_draft_dir, tmp_path / "v1", "away-1"))
+            reg.champion(v1)
+            args = node_args(trained_draft_dir, mlflow.url, ("--workloads", workload))
+            with serve_process(args, tmp_path / "node.log", env=store.env) as url:
+                wait_for("v1", lambda: drafts(url).get(workload) == "away-1")
+                v2 = reg.register(copy_draft(trained_draft_dir, tmp_path / "v2", "away-2"))
 
-            store.stop()  # the artifacts are out of reach: the champion changes, the download fails
-            reg.champion(v2)
-            errors = metric(url, "tide_registry_errors_total")
-            wait_for("a failed download", lambda: metric(url, "tide_registry_errors_total") > errors)
-            assert complete(url, workload)["usage"]["completion_tokens"] == 24
-            assert drafts(url).get(workload) == "away-1"
+                store.stop()  # the artifacts are out of reach: the champion changes, the download fails
+                reg.champion(v2)
+                errors = metric(url, "tide_registry_errors_total")
+                wait_for("a failed download", lambda: metric(url, "tide_registry_errors_total") > errors)
+                assert complete(url, workload)["usage"]["completion_tokens"] == 24
+                assert drafts(url).get(workload) == "away-1"
 
-            url_before = mlflow.url
-            mlflow.stop()  # and the registry too
-            errors = metric(url, "tide_registry_errors_total")
-            wait_for("a failed poll", lambda: metric(url, "tide_registry_errors_total") > errors)
-            assert complete(url, workload)["usage"]["completion_tokens"] == 24
-            assert drafts(url).get(workload) == "away-1"
+                url_before = mlflow.url
+                mlflow.stop()  # and the registry too
+                errors = metric(url, "tide_registry_errors_total")
+                wait_for("a failed poll", lambda: metric(url, "tide_registry_errors_total") > errors)
+                assert complete(url, workload)["usage"]["completion_tokens"] == 24
+                assert drafts(url).get(workload) == "away-1"
 
-            store.start()
-            mlflow.start()
-            assert mlflow.url == url_before  # back where the node expects it
-            wait_for("v2 once both are back", lambda: drafts(url).get(workload) == "away-2", timeout=120)
-            assert metric(url, "tide_draft_refused_total") == 0  # unreachable is not refused
-    finally:
-        mlflow.stop()
-        store.stop()
+                store.start()
+                mlflow.start()
+                assert mlflow.url == url_before  # back where the node expects it
+                wait_for("v2 once both are back", lambda: drafts(url).get(workload) == "away-2", timeout=120)
+                assert metric(url, "tide_draft_refused_total") == 0  # unreachable is not refused
+        finally:
+            mlflow.stop()
+            store.stop()
 
 
 def test_the_sync_reads_when_training_stopped_paying_off(
