@@ -57,8 +57,9 @@ def give_freed_tensors_back() -> None:
     """Allocations of 1 MiB and more are mapped and unmapped on their own (glibc's M_MMAP_THRESHOLD,
     fixed). By default glibc raises that threshold to 32 MiB after the first such free; tensors under
     it then come from the heap, and long-lived ones (a trainer's examples) pin the holes that
-    short-lived ones leave: a training loop's RSS grew 1.6 GB for 60 MB more live tensors, against
-    0.7 GB with the threshold fixed. Not glibc (musl, macOS): nothing to do."""
+    short-lived ones leave: over 50 steps a training loop's RSS grew 1.6 GB for 60 MB more live
+    tensors, 0.7 GB with the threshold fixed (`scripts/training_rss.py DRAFT --shape-step 1
+    [--mmap-threshold]`). Not glibc (musl, macOS): nothing to do."""
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     mallopt = getattr(libc, "mallopt", None)

@@ -145,17 +145,21 @@ def current_checkpoint(root: Path) -> Path | None:
     return root / pointer.read_text().strip() if pointer.exists() else None
 
 
+def _read_ledger(folder: Path) -> Ledger:
+    return Ledger.from_json((folder / "ledger.json").read_text())
+
+
 def load_ledger(root: Path) -> Ledger | None:
     """The current checkpoint's ledger alone (what an audit reads; a resume reads everything)."""
     folder = current_checkpoint(root)
-    return Ledger.from_json((folder / "ledger.json").read_text()) if folder else None
+    return _read_ledger(folder) if folder else None
 
 
 def load_checkpoint(root: Path) -> Checkpoint | None:
     folder = current_checkpoint(root)
     if folder is None:
         return None
-    ledger = Ledger.from_json((folder / "ledger.json").read_text())
+    ledger = _read_ledger(folder)
     optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
     replay = load_examples(folder / "replay.safetensors") if (folder / "replay.safetensors").exists() else []
     held = (

@@ -130,7 +130,8 @@ def init_draft_head(draft: Eagle3Draft, lm_head: torch.Tensor) -> None:
 
 # Batch lengths and the first anchor are rounded to multiples of this, so a trainer sees a few shapes:
 # oneDNN keeps primitives per shape, and with every length its own a training loop's memory kept
-# growing (0.7 GB over 60 steps of new examples, against 0.4 GB with its cache held to 16 shapes).
+# growing (0.7 GB over 50 steps of new examples, 0.3 GB with lengths in multiples of 32:
+# `scripts/training_rss.py DRAFT --mmap-threshold [--shape-step 1]`).
 # Padding is at the end and masked: losses and gradients do not change (tests/test_trainer_parts.py).
 SHAPE_STEP = 32
 
