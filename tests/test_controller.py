@@ -337,12 +337,11 @@ def test_adaptive_on_the_default_model(target_native: Target, trained_draft_dir:
 
 
 def test_served_decisions_per_workload(trained_draft_dir: Path, tmp_path: Path) -> None:
-    """`tide serve --gamma auto`: decisions per workload on /admin and /metrics alike. Code, which the
-    draft fits, is speculated and not captured; French gets a far lower acceptance. Whether French
-    is then off depends on the machine: at a batch of one or two, verifying a few tokens costs here
-    about what one does, so even its few accepted tokens pay about 1.1x (off at batch 4: the
-    in-process test above). A minimum gain above that is no way out: at `--min-gain 1.25` the served
-    node turned code off as well (its own start-up profile, not the in-process one)."""
+    """`tide serve --gamma auto`: decisions per workload on /admin and /metrics alike. The draft fits
+    code far better than French, and the node ranks them so: French is not speculated unless code is,
+    and code, if its draft pays, is not captured. Whether code pays at a batch of two depends on this
+    machine's step times (on one CI machine it did not, at a measured 1.04x overall); that decision against the cost model is
+    the in-process test's (above), here it is what reaches /admin and /metrics."""
     import httpx
 
     from tide.prompts import Prompt, load_prompts, split
@@ -369,10 +368,11 @@ def test_served_decisions_per_workload(trained_draft_dir: Path, tmp_path: Path) 
             list(pool.map(ask, split(load_prompts(WORKLOADS / name), "test")[:n]))
         state = httpx.get(f"{url}/admin/controller", headers={"Authorization": "Bearer t"}).json()
         code, fr = state["workloads"]["code"], state["workloads"]["fr"]
-        assert state["adaptive"] and code["speculation"] and code["gamma"] >= 1 and not code["capture"], state
+        assert state["adaptive"] and not (code["speculation"] and code["capture"]), state
         # the draft does not fit French (French α comes from the few exploring steps once it is off:
-        # 0.0 to 0.19 in runs, code 0.34 to 0.36)
+        # 0.0 to 0.19 in runs, code 0.34 to 0.48)
         assert fr["alpha_short"][0] < code["alpha_short"][0] - 0.1, state
+        assert code["speculation"] or not fr["speculation"], state
         for w, d in (("code", code), ("fr", fr)):
             assert metric(url, "tide_workload_speculation", workload=w) == int(bool(d["speculation"]))
             assert metric(url, "tide_workload_capture", workload=w) == int(bool(d["capture"]))
