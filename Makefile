@@ -52,7 +52,8 @@ serve: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+	MYPY=$(BIN)/mypy scripts/typecheck.sh
+	$(BIN)/python scripts/check_layers.py
 
 # docker compose config, kustomize build and kubeconform: what cannot run here, rendered and validated
 deploy-tools:

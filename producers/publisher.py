@@ -30,8 +30,8 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from tide.producers.records import CODECS, HiddenStateRecord, encode
+from tide.producers.tap import TapEvent
 from tide.producers.topics import TopicConfig, ensure_topic, topic_for
-from tide.serving.engine import TapEvent
 
 log = logging.getLogger("tide.producers")
 

@@ -48,6 +48,7 @@ from tide.models.loader import TargetHead
 from tide.producers.assembler import RequestAssembler
 from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HiddenStateRecord
+from tide.registry.profile import StepProfile
 from tide.registry.store import (
     CHAMPION,
     PREVIOUS,
@@ -61,7 +62,6 @@ from tide.registry.store import (
     move_alias,
     set_tags,
 )
-from tide.serving.cost_model import StepProfile
 from tide.trainers.online import completion_positions, example_of, keep_recent
 from tide.trainers.ttt import Example, TrainConfig, evaluate
 

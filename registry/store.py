@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -207,6 +208,6 @@ def move_alias(client: MlflowClient, name: str, alias: str, expected: str | None
         client.set_registered_model_alias(name, alias, to)
 
 
-def set_tags(client: MlflowClient, mv: ModelVersion, tags: dict[str, object]) -> None:
+def set_tags(client: MlflowClient, mv: ModelVersion, tags: Mapping[str, object]) -> None:
     for k, v in tags.items():
         client.set_model_version_tag(mv.name, mv.version, k, v if isinstance(v, str) else json.dumps(v))

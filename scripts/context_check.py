@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from tide.bench.records import as_records
+from tide.bootstrap import Recorder
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import load_target
 from tide.producers.records import decode, encode
 from tide.prompts import load_prompts, split
 from tide.serving.engine import DraftStats, Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
-from tide.trainers.bootstrap import Recorder
 from tide.trainers.online import example_of
 from tide.trainers.ttt import TrainConfig, evaluate
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from tide.registry.profile import StepProfile
 from tide.serving.controller import Controller, ControllerConfig
-from tide.serving.cost_model import StepProfile
 
 PROFILE = StepProfile(
     1,

@@ -30,6 +30,7 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from controller_shift_sim import PROFILE
@@ -118,7 +119,7 @@ def main() -> None:
         "--orders", type=int, default=1, help="serve each stretch in this many orders (the first as captured)"
     )
     args = ap.parse_args()
-    settings: list[dict[str, float]] = []  # checked before minutes of reading and tracing
+    settings: list[dict[str, Any]] = []  # checked before minutes of reading and tracing
     for option in args.configs.split(";"):
         pairs = [kv.split("=") for kv in filter(None, option.split(","))]
         if any(len(kv) != 2 for kv in pairs):

@@ -22,8 +22,8 @@ import torch
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import load_target
 from tide.prompts import load_prompts, split
+from tide.registry.profile import StepProfile
 from tide.serving.controller import ControllerConfig, build_controller
-from tide.serving.cost_model import StepProfile
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 

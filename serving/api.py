@@ -342,6 +342,7 @@ def make_app(
         try:
             if isinstance(req, ChatRequest):
                 return tok.chat_prompt([m.as_template_input() for m in req.messages])
+            assert isinstance(req.prompt, str)  # token ids returned above
             return tok.encode(req.prompt)
         except Exception as e:  # e.g. a chat template that refuses this order of roles
             param = "messages" if isinstance(req, ChatRequest) else "prompt"

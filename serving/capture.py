@@ -29,13 +29,9 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from tide.producers.records import is_held_out
-
-if TYPE_CHECKING:
-    from tide.serving.controller import Controller
-    from tide.serving.draft_sync import DraftSync
 
 # workload names become Kafka topic suffixes and metric labels: keep them short and plain
 WORKLOAD_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,47}$")
@@ -131,6 +127,22 @@ class Decision:
 
 class Advisor(Protocol):
     def __call__(self, workload: str) -> bool: ...  # does the workload need training now?
+
+
+class TrainingSignals(Protocol):
+    """What serving measured (the controller): has the workload shifted, or its draft stopped paying,
+    for long enough to call for training?"""
+
+    def needs_training(self, workload: str) -> bool: ...
+
+
+class CandidateHistory(Protocol):
+    """What the registry says of a workload's candidates (the draft sync), unix seconds by workload:
+    since when its trainer stopped improving (`saturated`), and since when the gate has refused
+    what it makes while the draft pays (`outdone`)."""
+
+    saturated: dict[str, float]
+    outdone: dict[str, float]
 
 
 class CapturePolicy:
@@ -239,8 +251,8 @@ class TrainingAdvisor:
 
     def __init__(
         self,
-        controller: Controller,
-        sync: DraftSync | None,
+        controller: TrainingSignals,
+        sync: CandidateHistory | None,
         clock: Callable[[], float] = time.time,
     ):
         self.controller = controller

@@ -38,7 +38,8 @@ import torch
 
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.llama import LlamaModel
-from tide.serving.cost_model import StepProfile, measure_profile
+from tide.registry.profile import StepProfile
+from tide.serving.cost_model import measure_profile
 
 PRIOR_ALPHA = 0.5  # before any observation: optimistic enough that a new draft gets tried
 # the prior counts as this many observations: one unlucky first step must not shut a depth off for good

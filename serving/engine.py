@@ -36,6 +36,7 @@ from tide.models.llama import Batch
 from tide.models.loader import Target
 from tide.models.packing import pack_linears
 from tide.producers.records import is_held_out
+from tide.producers.tap import TapCallback, TapEvent
 from tide.serving.controller import Controller
 from tide.serving.detokenizer import Detokenizer
 from tide.serving.sampling import BatchSampling, SamplingParams, Verdict, probs_from_logits, sample, verify
@@ -53,29 +54,6 @@ class EngineConfig:
     draft_failures: int = 3  # steps in a row on which a draft raised before its workload reverts
 
 
-@dataclass
-class TapEvent:
-    """Hidden states of committed positions whose next token the request kept.
-
-    Positions [first_position, first_position + m): `aux` and `hidden` hold m states and `tokens` the
-    m + 1 tokens at positions first_position ... first_position + m, so the state at position p comes
-    with the token it predicted. Consecutive events of a request overlap by that one token, and
-    together they carry exactly the prompt and the completion the client received.
-    """
-
-    request_id: str
-    workload: str
-    first_position: int
-    tokens: torch.Tensor  # (m + 1,) token ids
-    aux: torch.Tensor  # (m, 3d) residual stream before the aux layers
-    hidden: torch.Tensor  # (m, d) final normed hidden state (predicts the next token)
-    prefill: bool
-    draft_version: str
-    final: bool = False  # the request's last event
-    held_out: bool = False  # the request's records only ever evaluate drafts
-
-
-TapCallback = Callable[[TapEvent], None]
 # (workload, version of the reverted draft, reason), on the engine's thread
 RevertCallback = Callable[[str, str, str], None]
 

@@ -10,6 +10,7 @@ Every per-workload label is a name of the capture policy's `WorkloadSet` (counte
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -108,9 +109,9 @@ def _controller_metrics(c: Controller, capture: CapturePolicy | None) -> Iterato
         if capture is not None and w not in capture.workloads:
             continue
         for which in ("short", "long"):
-            for depth, a in enumerate(snap[f"alpha_{which}"], start=1):
+            for depth, a in enumerate(cast(list[float], snap[f"alpha_{which}"]), start=1):
                 rate.add_metric([w, str(depth), which], a)
-        gamma.add_metric([w], float(snap["gamma"]))
+        gamma.add_metric([w], float(cast(int, snap["gamma"])))
         on.add_metric([w], float(bool(snap["speculation"])))
         shifted.add_metric([w], float(bool(snap["shifted"])))
         if capture is not None:

@@ -34,6 +34,15 @@ from tide.stack import as_account
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "workloads"
+# a test that takes one of these is in the slow tier: it loads the default model or starts a real
+# service (`pytest -m "not slow"` runs the rest in a few minutes; `make test` runs everything)
+SLOW_FIXTURES = {"target_fp32", "target_native", "trained_draft_dir", "kafka", "s3", "registry"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -127,9 +136,9 @@ def trained_tiny_draft(
     target: Target, seed: int = 1, vocab: int | None = None, steps: int = 150
 ) -> Eagle3Draft:
     """A tiny draft trained with the real training step on the tiny target's own sampled outputs."""
+    from tide.bootstrap import Recorder
     from tide.serving.engine import Engine, EngineConfig
     from tide.serving.sampling import SamplingParams
-    from tide.trainers.bootstrap import Recorder
     from tide.trainers.ttt import TrainConfig, Trainer
 
     rec = Recorder()

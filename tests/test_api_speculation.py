@@ -9,9 +9,10 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from tide.models.loader import Target
+from tide.producers.tap import TapEvent
 from tide.serving.api import ServerConfig, make_app
 from tide.serving.capture import CapturePolicy, CaptureRule
-from tide.serving.engine import Engine, EngineConfig, TapEvent
+from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 
 PROMPT = "def is_prime(n):"

@@ -99,5 +99,5 @@ def test_the_assembler_holds_a_bounded_number_of_requests_and_positions() -> Non
     out = [r.request_id for rec in firsts for r in asm.add(rec)]
     assert out == ["r0", "r1"] and len(asm.pending) == 3  # the requests untouched for longest went on
     _, long = _request(400, 64, prompt=40, rid="long")
-    out = [r for rec in long[:3] for r in asm.add(rec)]
-    assert [r.num_positions for r in out if r.request_id == "long"] == [128]  # two chunks: at the bound
+    pieces = [r for rec in long[:3] for r in asm.add(rec)]
+    assert [r.num_positions for r in pieces if r.request_id == "long"] == [128]  # two chunks: at the bound

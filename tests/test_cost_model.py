@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tide.serving.cost_model import StepProfile, expected_tokens
+from tide.registry.profile import StepProfile, expected_tokens
 
 
 def test_expected_tokens_multiplies_acceptance_along_the_chain() -> None:

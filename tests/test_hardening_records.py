@@ -42,8 +42,8 @@ from tide.producers.records import (
     encode,
 )
 from tide.producers.topics import TopicConfig, ensure_topic, topic_for
+from tide.registry.trainer_sink import with_backoff
 from tide.trainers.checkpoint import Ledger, load_checkpoint, save_checkpoint
-from tide.trainers.mlflow_sink import with_backoff
 from tide.trainers.online import Backoff, Candidate, OnlineConfig, OnlineTrainer
 from tide.trainers.ttt import Example, TrainConfig, Trainer
 

@@ -24,8 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import tiny_draft, tiny_target
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target
+from tide.producers.tap import TapEvent
 from tide.serving.api import make_app
-from tide.serving.engine import Engine, EngineConfig, Sequence, TapEvent
+from tide.serving.engine import Engine, EngineConfig, Sequence
 from tide.serving.sampling import SamplingParams
 
 POISON = 7  # a byte the test tokenizer refuses to decode
@@ -306,7 +307,7 @@ def _broken(target: Target, how: str) -> Eagle3Draft:
         def fail(*_: Any, **__: Any) -> Any:
             raise RuntimeError("injected: the draft's forward fails")
 
-        d.forward = fail  # type: ignore[method-assign]
+        d.forward = fail
     else:  # its vocabulary map points outside the target's: the verify pass would fail
         d.d2t.fill_(1000)
     return d

@@ -19,10 +19,11 @@ import tide.producers.publisher as publisher_module
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.loader import Target
 from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.producers.tap import TapEvent
 from tide.producers.topics import TopicConfig
 from tide.serving.api import ServerConfig, make_app
 from tide.serving.capture import CapturePolicy, WorkloadSet
-from tide.serving.engine import Engine, EngineConfig, TapEvent
+from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 
 from .conftest import tiny_target

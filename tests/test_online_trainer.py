@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_head
 from tide.registry.store import model_name
+from tide.registry.trainer_sink import MlflowSink, champion_folder
 from tide.trainers.checkpoint import Ledger, load_checkpoint
-from tide.trainers.mlflow_sink import MlflowSink, champion_folder
 from tide.trainers.online import OnlineConfig, OnlineTrainer, WorkloadTaken, claim_workload
 
 from .conftest import serve_into_kafka
@@ -47,6 +48,21 @@ def test_trainer_publishes_candidates_with_their_evidence(
                        publish_every=1, vocab_warmup_positions=512)  # fmt: skip
     sink = MlflowSink(registry.url, workload, head.fingerprint, {"batch_size": cfg.batch_size})
     trainer = OnlineTrainer(cfg, head, trained_draft_dir, sink, sink.log_step)
+    # steps trained between two polls: a trainer behind its topic must poll within Kafka's
+    # max.poll.interval, so it reads a few records at a time (64 at a time trained 12 of these
+    # requests between two polls, and a revived trainer under load was dropped from its group)
+    between: list[int] = [0]
+    poll, step = trainer.consumer.poll, trainer._step
+
+    def counted_poll(*a: Any, **kw: Any) -> Any:
+        between.append(0)
+        return poll(*a, **kw)
+
+    def counted_step(*a: Any, **kw: Any) -> None:
+        between[-1] += 1
+        step(*a, **kw)
+
+    trainer.consumer.poll, trainer._step = counted_poll, counted_step
     result: list[Ledger] = []
     thread = threading.Thread(target=lambda: result.append(trainer.run(idle_seconds=5)))
     thread.start()
@@ -63,6 +79,8 @@ def test_trainer_publishes_candidates_with_their_evidence(
     requests = {key.rsplit(":", 1)[0] for key in published}
     assert len(trainer.replay) + len(trainer.held_out) == len(requests) == 16 < len(published)
     assert ledger.candidates >= 1 and ledger.steps > 0
+    # at most the requests a batch and one more poll bring (plus the few read while the vocabulary waited)
+    assert max(between) <= 6, between
 
     client = MlflowClient(registry.url)
     versions = client.search_model_versions(f"name = '{model_name(head.fingerprint, workload)}'")

@@ -204,7 +204,7 @@ def test_the_sync_reads_when_training_stopped_paying_off(
     workload = f"sat-{uuid.uuid4().hex[:4]}"
     reg = Registrar(registry.url, target_native.fingerprint, workload)
     engine = SimpleNamespace(target=target_native, workloads_seen=set())
-    sync = DraftSync(SyncConfig(registry.url, tmp_path / "cache", "t", patience=2, outdone_after=3), engine)
+    sync = DraftSync(SyncConfig(registry.url, tmp_path / "cache", "t", patience=2, outdone_after=3), engine)  # type: ignore[arg-type]  # the two attributes it reads
 
     def candidate(gain: float, decision: str) -> float:
         mv = reg.register(trained_draft_dir, {"held_out_gain": str(gain)})

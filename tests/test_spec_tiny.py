@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from tests.conftest import tiny_draft, tiny_target, trained_tiny_draft
-from tide.serving.engine import Engine, EngineConfig, TapEvent
+from tide.producers.tap import TapEvent
+from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 
 

@@ -81,9 +81,9 @@ def draft_train(
     ),
 ) -> None:
     """The target answers the prompts, the tap captures hidden states, and an EAGLE-3 head is trained."""
+    from tide.bootstrap import BootstrapConfig, bootstrap
     from tide.models.loader import load_target
     from tide.prompts import load_prompts, split
-    from tide.trainers.bootstrap import BootstrapConfig, bootstrap
 
     with _clear_errors():
         items = []
@@ -98,7 +98,8 @@ def draft_train(
         max_steps=max_steps,
     )
     report = bootstrap(target, _interleave(items, len(prompts)), out, cfg, data)
-    last = report["history"][-1] if report["history"] else {}
+    history = report["history"]
+    last = history[-1] if isinstance(history, list) and history else {}
     typer.echo(
         json.dumps(
             {"out": str(out), "examples": report["examples"], "tokens": report["tokens"], "final_eval": last},
@@ -124,9 +125,9 @@ def draft_ensure_default(
     model: str | None = typer.Option(None, "--model"),
 ) -> None:
     """Train the default draft from the shipped workloads once; later calls find it cached."""
+    from tide.bootstrap import BootstrapConfig, bootstrap
     from tide.models.loader import load_target
     from tide.prompts import load_prompts, split
-    from tide.trainers.bootstrap import BootstrapConfig, bootstrap
 
     target = load_target(model)
     out = default_draft_dir(target.fingerprint)
@@ -187,8 +188,8 @@ def train_online(
 
     from tide.config import cache_dir
     from tide.models.loader import load_head
+    from tide.registry.trainer_sink import MlflowSink, champion_folder
     from tide.serving.capture import check_workload
-    from tide.trainers.mlflow_sink import MlflowSink, champion_folder
     from tide.trainers.online import OnlineConfig, OnlineTrainer, WorkloadTaken
 
     _setup_logging(verbose)
@@ -795,7 +796,11 @@ def bench_faults(
         "latency_ms",
     )
     typer.echo(
-        json.dumps({k: report[k] for k in keys} | {"rss_growth": report["rss_mb"]["growth"]}, indent=2)
+        json.dumps(
+            {k: report[k] for k in keys}
+            | {"rss_growth": {k: v["growth"] for k, v in report["rss_mb"].items()}},
+            indent=2,
+        )
     )
     if plot is not None:
         plot_faults_report(report, plot)

@@ -202,8 +202,8 @@ class Stack:
             self.services.append(s3)
             self._s3_accounts(s3)
         elif step == "mlflow":
-            s3 = next((s for s in self.services if isinstance(s, S3Server)), None)
-            self.mlflow = MlflowServer(data / "mlflow", cfg.mlflow_port, cfg.host, s3=s3, bucket=BUCKET,
+            store = next((s for s in self.services if isinstance(s, S3Server)), None)
+            self.mlflow = MlflowServer(data / "mlflow", cfg.mlflow_port, cfg.host, s3=store, bucket=BUCKET,
                                        env=self.role_env.get("trainer", {})).start()  # fmt: skip
             self.services.append(self.mlflow)
         elif step == "draft" and cfg.draft is None:

@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tide.models.eagle3 import Eagle3Draft
-from tide.trainers.bootstrap import load_examples, save_examples
 from tide.trainers.ttt import Example
 
 
@@ -177,3 +177,33 @@ def _fsync_tree(folder: Path) -> None:
     for p in folder.rglob("*"):
         if p.is_file():
             _fsync(p)
+
+
+def save_examples(examples: list[Example], path: Path) -> None:
+    """Keep collected hidden states (bf16 safetensors) so training can be rerun without the target."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, ex in enumerate(examples):
+        tensors[f"{i}.tokens"] = ex.tokens
+        tensors[f"{i}.aux"] = ex.aux.to(torch.bfloat16).contiguous()
+        tensors[f"{i}.hidden"] = ex.hidden.to(torch.bfloat16).contiguous()
+        tensors[f"{i}.best"] = ex.best
+        tensors[f"{i}.learn_from"] = torch.tensor([ex.learn_from])
+        tensors[f"{i}.created_at"] = torch.tensor([ex.created_at], dtype=torch.float64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"examples": str(len(examples))})
+
+
+def load_examples(path: Path) -> list[Example]:
+    t = load_file(str(path))
+    n = len({k.split(".")[0] for k in t})
+    return [
+        Example(
+            t[f"{i}.tokens"],
+            t[f"{i}.aux"],
+            t[f"{i}.hidden"],
+            t[f"{i}.best"],
+            int(t[f"{i}.learn_from"][0]),
+            float(t[f"{i}.created_at"][0]) if f"{i}.created_at" in t else 0.0,
+        )
+        for i in range(n)
+    ]

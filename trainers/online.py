@@ -42,7 +42,14 @@ from tide.models.loader import TargetHead
 from tide.producers.assembler import RequestAssembler, record_key
 from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HiddenStateRecord, TargetShape
-from tide.trainers.checkpoint import Ledger, checkpoints_dir, finite_weights, load_checkpoint, save_checkpoint
+from tide.trainers.checkpoint import (
+    KeySet,
+    Ledger,
+    checkpoints_dir,
+    finite_weights,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, evaluate, select_vocab
 
 log = logging.getLogger("tide.trainers")
@@ -93,7 +100,11 @@ class OnlineConfig:
     republish_turnover: float = 0.5
     # no new record: train on the replay buffer instead of waiting (a trainer's hardware is there to train)
     replay_when_idle: bool = True
-    poll_records: int = 64
+    # records per poll, read until a batch of new examples is full: what comes between two polls (a
+    # step per request read) must train well within Kafka's max.poll.interval (5 min), or the group
+    # drops the trainer. At 64, a trainer revived behind its topic trained one poll's requests for over
+    # 5 minutes on 2 shared cores and lost its partitions (its commits failed until it rejoined)
+    poll_records: int = 4
     keep_candidates: int = 3  # candidate folders kept on disk (each is in MLflow once published)
     # trained keys the ledger remembers to recognise redelivered records (about 30 bytes each, and
     # the ledger is saved whole with every checkpoint): hours of a busy workload's records
@@ -355,7 +366,17 @@ class OnlineTrainer:
         return self.ledger
 
     def _read(self, timeout: float) -> list[Example] | None:
-        """New examples from the next poll ([] when all were duplicates or held out; None when idle)."""
+        """New examples from the next polls, until a batch is full or a poll comes back empty ([] when
+        all were duplicates or held out; None when idle)."""
+        fresh = self._read_once(timeout)
+        while fresh is not None and len(fresh) < self.cfg.batch_size:
+            more = self._read_once(0.0)
+            if more is None:
+                break
+            fresh += more
+        return fresh
+
+    def _read_once(self, timeout: float) -> list[Example] | None:
         consumed = self.consumer.poll(self.cfg.poll_records, timeout)
         stats = self.consumer.stats
         self.ledger.skipped, self.ledger.refused = stats.skipped, dict(stats.refused)
@@ -603,7 +624,7 @@ class OnlineTrainer:
         holding, held = self.requests.holding(), self.requests.keys()
         ledger = dataclasses.replace(
             self.ledger,
-            trained=self.ledger.trained - held,
+            trained=KeySet(k for k in self.ledger.trained if k not in held),
             records=self.ledger.records - len(held),
             offsets={w: min(o, holding.get(w, o)) for w, o in self.ledger.offsets.items()},
         )

@@ -321,7 +321,11 @@ def _bad_version(stack: Any, fingerprint: str, workload: str, kind: str, draft_d
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if kind == "tampered":  # the stored weights change after their checksum was tagged
-        stored = [p for p in Path(stack.cfg.data_dir, "s3").rglob("model.safetensors") if mv.run_id in str(p)]
+        stored = [
+            p
+            for p in Path(stack.cfg.data_dir, "s3").rglob("model.safetensors")
+            if mv.run_id and mv.run_id in str(p)
+        ]
         if not stored:
             raise RuntimeError(f"could not find version {mv.version}'s weights in the S3 store")
         blob = bytearray(stored[0].read_bytes())
@@ -360,12 +364,38 @@ def _rss_mb(pid: int) -> float | None:
     return total / 1024
 
 
-def _rss(stack: Any) -> dict[str, float | None]:
-    out: dict[str, float | None] = {p.name: _rss_mb(p.proc.pid) for p in stack.parts}
+def _pids(stack: Any) -> dict[str, int]:
+    """Each part's and service's current process (a revived one has a new pid)."""
+    out = {p.name: p.proc.pid for p in stack.parts}
     for s in stack.services:
         if s.process is not None:
-            out[type(s).__name__] = _rss_mb(s.process.pid)
+            out[type(s).__name__] = s.process.pid
     return out
+
+
+@dataclass
+class MemoryWatch:
+    """Each process's RSS once it has run `warmup` seconds, against its RSS at the end. A process
+    revived by the stack is a new one: it is measured from its own warm-up, not its predecessor's."""
+
+    warmup: float
+    first_seen: dict[int, float] = field(default_factory=dict)
+    warm: dict[int, float | None] = field(default_factory=dict)  # by pid
+
+    def tick(self, stack: Any, now: float) -> None:
+        for pid in _pids(stack).values():
+            seen = self.first_seen.setdefault(pid, now)
+            if pid not in self.warm and now - seen >= self.warmup:
+                self.warm[pid] = _rss_mb(pid)
+
+    def report(self, stack: Any) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for name, pid in _pids(stack).items():
+            warm, end = self.warm.get(pid), _rss_mb(pid)
+            growth = round(end / warm - 1, 3) if warm and end else None
+            out[name] = {"pid": pid, "after_warmup": warm, "end": end, "growth": growth,
+                         "since": round(self.first_seen.get(pid, 0.0), 1)}  # fmt: skip
+        return out
 
 
 # -- the records' accounting -------------------------------------------------------------------------
@@ -460,12 +490,11 @@ def run_faults_bench(cfg: FaultsBenchConfig) -> dict[str, Any]:
         load.start()
         watcher.t0 = load.t0
         watcher.start()
-        rss_warm: dict[str, float | None] = {}
+        memory = MemoryWatch(cfg.warmup_seconds)
         with tqdm(total=round(total), desc="load under faults", unit="s") as bar:
             while (now := time.monotonic() - load.t0) < total:
                 stack.revive()  # what `tide up` does: a part that died starts again
-                if not rss_warm and now >= cfg.warmup_seconds:
-                    rss_warm = _rss(stack)
+                memory.tick(stack, now)
                 if at and now >= at[0]:
                     at.pop(0)
                     name, inject = schedule.pop(0)
@@ -480,7 +509,7 @@ def run_faults_bench(cfg: FaultsBenchConfig) -> dict[str, Any]:
                 bar.n = round(min(now, total))
                 bar.refresh()
                 time.sleep(0.5)
-        rss_end = _rss(stack)
+        rss = memory.report(stack)
         load.join()
         watcher.join()
         records = _audit_records(stack, workloads, fp, TargetShape(d, vocab))
@@ -488,7 +517,7 @@ def run_faults_bench(cfg: FaultsBenchConfig) -> dict[str, Any]:
         stack.stop()
         if cfg.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    return _report(cfg, load.calls, faults, watcher, records, rss_warm, rss_end)
+    return _report(cfg, load.calls, faults, watcher, records, rss)
 
 
 def _free() -> int:
@@ -576,7 +605,7 @@ def _lag(bootstrap: str, workload: str) -> int | None:
 
 def _report(
     cfg: FaultsBenchConfig, calls: list[Call], faults: list[Fault], watcher: Watcher, records: dict[str, Any],
-    rss_warm: dict[str, float | None], rss_end: dict[str, float | None],
+    rss: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:  # fmt: skip
     def near_fault(c: Call) -> bool:
         return any(f.start <= c.start <= f.end + cfg.fault_window for f in faults)
@@ -589,10 +618,6 @@ def _report(
         if c.hostile:
             hostile_by_kind.setdefault(c.kind, Counter())[c.status] += 1
     injected = [v for v in watcher.served if v.startswith("faults-")]
-    growth: dict[str, float | None] = {}
-    for k, warm in rss_warm.items():
-        end = rss_end.get(k)
-        growth[k] = round(end / warm - 1, 3) if warm and end else None
     return {
         "config": {
             k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "workloads"
@@ -616,7 +641,7 @@ def _report(
             "with_faults": _percentiles([c.seconds for c in ok if near_fault(c)]),
             "without_faults": _percentiles([c.seconds for c in ok if not near_fault(c)]),
         },
-        "rss_mb": {"after_warmup": rss_warm, "end": rss_end, "growth": growth},
+        "rss_mb": rss,
         "timeline": [asdict(c) for c in calls],
     }
 

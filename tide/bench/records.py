@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tide.bootstrap import BootstrapConfig, collect, train
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.loader import Target, load_target
 from tide.producers.assembler import join
@@ -27,7 +28,6 @@ from tide.producers.records import CODECS, HiddenStateRecord, decode, encode
 from tide.prompts import Prompt, load_prompts, split
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
-from tide.trainers.bootstrap import BootstrapConfig, collect, train
 from tide.trainers.ttt import Example, TrainConfig, Trainer
 
 CHUNK = 128

@@ -23,10 +23,11 @@ from tqdm import tqdm
 from tide.config import native_dtype
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
+from tide.producers.tap import TapEvent
 from tide.prompts import load_prompts, split
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.cost_model import measure_profile
-from tide.serving.engine import DraftStats, Engine, EngineConfig, StepTiming, TapEvent
+from tide.serving.engine import DraftStats, Engine, EngineConfig, StepTiming
 from tide.serving.sampling import SamplingParams
 
 

@@ -32,7 +32,7 @@ from tide.producers.topics import TopicConfig
 from tide.prompts import load_prompts
 from tide.serving.engine import Engine, EngineConfig, Sequence
 from tide.serving.sampling import SamplingParams
-from tide.trainers.bootstrap import save_examples
+from tide.trainers.checkpoint import save_examples
 from tide.trainers.online import example_of
 from tide.trainers.ttt import Example, TrainConfig, Trainer, init_draft_head, select_vocab
 

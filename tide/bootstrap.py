@@ -12,14 +12,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from tide.models.eagle3 import DraftConfig, Eagle3Draft
 from tide.models.loader import Target
+from tide.producers.tap import TapEvent
 from tide.prompts import Prompt
-from tide.serving.engine import Engine, EngineConfig, TapEvent
+from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
+from tide.trainers.checkpoint import load_examples, save_examples
 from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, init_draft_head, select_vocab
 
 
@@ -141,36 +142,6 @@ def train(
     assert best is not None
     draft.load_state_dict(best[1])
     return draft.eval(), history
-
-
-def save_examples(examples: list[Example], path: Path) -> None:
-    """Keep collected hidden states (bf16 safetensors) so training can be rerun without the target."""
-    tensors: dict[str, torch.Tensor] = {}
-    for i, ex in enumerate(examples):
-        tensors[f"{i}.tokens"] = ex.tokens
-        tensors[f"{i}.aux"] = ex.aux.to(torch.bfloat16).contiguous()
-        tensors[f"{i}.hidden"] = ex.hidden.to(torch.bfloat16).contiguous()
-        tensors[f"{i}.best"] = ex.best
-        tensors[f"{i}.learn_from"] = torch.tensor([ex.learn_from])
-        tensors[f"{i}.created_at"] = torch.tensor([ex.created_at], dtype=torch.float64)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"examples": str(len(examples))})
-
-
-def load_examples(path: Path) -> list[Example]:
-    t = load_file(str(path))
-    n = len({k.split(".")[0] for k in t})
-    return [
-        Example(
-            t[f"{i}.tokens"],
-            t[f"{i}.aux"],
-            t[f"{i}.hidden"],
-            t[f"{i}.best"],
-            int(t[f"{i}.learn_from"][0]),
-            float(t[f"{i}.created_at"][0]) if f"{i}.created_at" in t else 0.0,
-        )
-        for i in range(n)
-    ]
 
 
 def bootstrap(

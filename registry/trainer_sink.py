@@ -1,6 +1,6 @@
 """Candidates into MLflow: one run per training session and workload, one model version per candidate.
 
-The registered model is `tide-draft-<first 12 hex of the target fingerprint>-<workload>` (DESIGN.md).
+The registered model is `tide-draft-<first 12 hex of the target fingerprint>-<workload>` (`store.model_name`).
 Each version carries, as tags, what the gate and the serving nodes check: workload, offset range,
 records consumed, target fingerprint, draft version, and the sha256 of every file of the folder.
 MLflow (or the S3 store behind it) being away when a trainer starts is waited out with backoff, for
