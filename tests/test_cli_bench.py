@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from tide.cli import app
@@ -46,6 +47,7 @@ def test_bench_spec_report(trained_draft_dir: Path, tmp_path: Path) -> None:
     assert r["adaptive_speedup"] > 0 and 0 < r["adaptive"]["drafted_share"] <= 1
 
 
+@pytest.mark.slow  # starts a real server
 def test_bench_records_report(tmp_path: Path) -> None:
     out = tmp_path / "records.json"
     args = ["bench", "records", "--prompts", str(WORKLOADS / "chat_fr.jsonl"), "--limit", "5",
@@ -67,6 +69,7 @@ def test_bench_records_report(tmp_path: Path) -> None:
     assert -1 < r["capture_overhead"] < 1
 
 
+@pytest.mark.slow  # starts a real server
 def test_bench_training_report(tmp_path: Path) -> None:
     out = tmp_path / "training.json"
     args = ["bench", "training", "--prompts", str(WORKLOADS / "code.jsonl"), "--requests", "16",

@@ -244,6 +244,7 @@ def test_stack_parts_have_no_fixed_keys_and_stay_local(tmp_path: Path) -> None:
     assert wide.bootstrap == "127.0.0.1:1"
 
 
+@pytest.mark.slow  # starts a real server
 def test_stack_s3_accounts_per_role(tmp_path: Path) -> None:
     """On a real versitygw: trainers write the artifact bucket, serving only reads it."""
     stack = Stack(StackConfig(tmp_path, s3=True))
@@ -289,6 +290,7 @@ except Exception as e:
 """
 
 
+@pytest.mark.slow  # starts a real server
 def test_stack_s3_roles_through_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`tide up --s3` as its parts use it: the stack registers a draft with the trainer account; a
     process with the serving account (MLflow caches its S3 client per process) downloads it and cannot

@@ -65,6 +65,7 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
+@pytest.mark.slow  # starts a real server
 def test_broker_produce_consume_restart(tmp_path: Path) -> None:
     broker = KafkaBroker(tmp_path / "kafka")
     try:
