@@ -46,6 +46,18 @@ def is_held_out(request_id: str, percent: int = HELD_OUT_PERCENT) -> bool:
     return zlib.crc32(request_id.encode()) % 100 < percent
 
 
+@dataclass(frozen=True)
+class HeldOutWindow:
+    """What drafts are judged on, by the trainers and the gate alike: the held-out requests of the
+    last `seconds` (after a shift, soon the new traffic), at most `max_positions` completion positions,
+    topped up with older ones to `min_positions` (a quiet workload keeps something to measure on; the
+    gate decides nothing on fewer). Serving nodes hold out more while fewer of this window's requests are."""
+
+    seconds: float = 120.0
+    max_positions: int = 1536
+    min_positions: int = 256
+
+
 class RecordError(ValueError):
     """A message that is not a usable record; consumers count these by `reason` and skip them."""
 

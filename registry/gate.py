@@ -47,7 +47,7 @@ from tide.models.eagle3 import DraftLoadError, DraftMismatchError, Eagle3Draft
 from tide.models.loader import TargetHead
 from tide.producers.assembler import RequestAssembler
 from tide.producers.consumer import RecordConsumer
-from tide.producers.records import HiddenStateRecord
+from tide.producers.records import HeldOutWindow, HiddenStateRecord
 from tide.registry.profile import StepProfile
 from tide.registry.store import (
     CHAMPION,
@@ -62,7 +62,7 @@ from tide.registry.store import (
     move_alias,
     set_tags,
 )
-from tide.trainers.online import completion_positions, example_of, keep_recent
+from tide.trainers.online import completion_positions, example_of, in_window
 from tide.trainers.ttt import Example, TrainConfig, evaluate
 
 log = logging.getLogger("tide.registry")
@@ -86,11 +86,7 @@ class GateConfig:
     min_tau: float = 1.2  # without a serving profile: tokens per step at `gamma` to reach
     gamma: int = 4  # the serving gamma, used while no profile is known
     gamma_max: int = 4
-    min_positions: int = 256  # held-out positions needed before any decision
-    # held-out requests per workload: those of the last `held_out_seconds` (after a shift they must
-    # soon be the new traffic), at most `held_out_positions`, topped up to `min_positions` with older ones
-    held_out_positions: int = 1536
-    held_out_seconds: float = 120.0
+    held_out: HeldOutWindow = field(default_factory=HeldOutWindow)  # per workload; no decision on less
     recall: int = 8  # earlier champions weighed against each candidate (a workload that comes back)
     # this many new held-out positions without a candidate: weigh the champion against earlier ones again
     recheck_positions: int = 128
@@ -193,9 +189,7 @@ class HeldOut:
                     self._judge_on(self.requests.add(c.record))
         self._judge_on(self.requests.flush())
         self.drained = True
-        cfg = self.cfg
-        since = time.time() - cfg.held_out_seconds
-        self.examples = keep_recent(self.examples, cfg.held_out_positions, since, cfg.min_positions)
+        self.examples = in_window(self.examples, self.cfg.held_out, time.time())
         return self.examples
 
     def _judge_on(self, requests: list[HiddenStateRecord]) -> None:
@@ -362,8 +356,13 @@ class Gate:
         ]
         examples = held.examples
         positions = held.positions
-        if positions < self.cfg.min_positions:
-            log.debug("%s: %d held-out positions, waiting for %d", rm.name, positions, self.cfg.min_positions)
+        if positions < self.cfg.held_out.min_positions:
+            log.debug(
+                "%s: %d held-out positions, waiting for %d",
+                rm.name,
+                positions,
+                self.cfg.held_out.min_positions,
+            )
             return decisions
         held.checked = held.arrived
         profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
@@ -388,7 +387,7 @@ class Gate:
         champion (a workload that came back while its trainer had nothing new to publish)?"""
         alumni = _alumni(versions, champion, self.cfg.recall)
         fresh = held.arrived - held.checked >= self.cfg.recheck_positions
-        if champion is None or not alumni or not fresh or held.positions < self.cfg.min_positions:
+        if champion is None or not alumni or not fresh or held.positions < self.cfg.held_out.min_positions:
             return []
         held.checked = held.arrived
         profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))

@@ -31,7 +31,7 @@ from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HiddenStateRecord
 from tide.registry.gate import Gate, GateConfig, parse_profile
 from tide.registry.store import PROFILE_TAG
-from tide.trainers.online import example_of, keep_recent
+from tide.trainers.online import example_of, in_window
 from tide.trainers.ttt import Example
 
 AFTER_SECONDS = 180.0
@@ -79,12 +79,8 @@ def main(work: Path, workload: str = "default") -> None:
                     continue
                 base = versions[baseline.rsplit(" v", 1)[1]]
                 when = datetime.strptime(tags["gate.time"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
-                held = keep_recent(
-                    [ex for _, held_out, ex in records if ex.created_at <= when and held_out],
-                    cfg.held_out_positions,
-                    when - cfg.held_out_seconds,
-                    cfg.min_positions,
-                )
+                held = in_window([ex for _, held_out, ex in records if ex.created_at <= when and held_out],
+                                 cfg.held_out, when)  # fmt: skip
                 after = [
                     ex for rid, held_out, ex in records
                     if when < ex.created_at <= when + AFTER_SECONDS and (held_out or AGAIN not in rid)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from tide.producers.records import is_held_out
+from tide.producers.records import HeldOutWindow, is_held_out
 
 # workload names become Kafka topic suffixes and metric labels: keep them short and plain
 WORKLOAD_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,47}$")
@@ -152,7 +152,7 @@ class CapturePolicy:
         seed: int = 0,
         remember_prompts: int = 100_000,
         held_out_min: int = 3,
-        held_out_window: float = 120.0,
+        held_out_window: float = HeldOutWindow().seconds,  # the gate's
         clock: Callable[[], float] = time.time,
         workloads: WorkloadSet | None = None,
     ):

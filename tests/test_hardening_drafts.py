@@ -23,6 +23,7 @@ from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import DraftLoadError, DraftMismatchError, Eagle3Draft
 from tide.models.loader import Target, TargetHead, load_head
+from tide.producers.records import HeldOutWindow
 from tide.registry.gate import Decision, Gate, GateConfig, GateLease, backoff
 from tide.registry.store import SHA_TAG, AliasMoved, ArtifactRefused, download_version
 from tide.serving.draft_sync import DraftSync, SyncConfig
@@ -250,8 +251,8 @@ def gate_env(
     a = _saved(work / "a", target_native, vocab=512, seed=1, version="a")
     b = _saved(work / "b", target_native, vocab=512, seed=2, version="b")
     # no floor and no profile: whatever the drafts score, a decision is made once the gate can
-    cfg = GateConfig(registry.url, kafka.bootstrap, work / "cache", min_positions=32, min_tau=0.0,
-                     min_speedup=0.0, held_out_seconds=3600)  # fmt: skip
+    cfg = GateConfig(registry.url, kafka.bootstrap, work / "cache", min_tau=0.0, min_speedup=0.0,
+                     held_out=HeldOutWindow(3600, min_positions=32))  # fmt: skip
     gate = Gate(cfg, head)
     _read_held_out(gate, workload)
     try:
@@ -264,7 +265,7 @@ def _read_held_out(gate: Gate, workload: str) -> None:
     """Drain until the gate holds the records (a new consumer waits for its partitions on a busy
     broker; before that the gate only waits for records, and these tests are about what follows)."""
     for _ in range(30):
-        if gate._held_out(workload).positions >= gate.cfg.min_positions:
+        if gate._held_out(workload).positions >= gate.cfg.held_out.min_positions:
             return
     pytest.fail("the gate never read the held-out records")
 

@@ -15,6 +15,7 @@ from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_head
+from tide.producers.records import HeldOutWindow
 from tide.registry.gate import Evaluation, Gate, GateConfig
 from tide.registry.store import PROFILE_TAG
 from tide.serving.cost_model import measure_profile
@@ -39,7 +40,9 @@ def gate_setup(
     profile = measure_profile(target_native.model, draft, 1, 256, 5)
     reg.client.set_registered_model_tag(reg.name, PROFILE_TAG, profile.to_json("test-node"))
     # the records are served once, here: the whole module judges on all of them, however long it runs
-    cfg = GateConfig(registry.url, kafka.bootstrap, registry.data_dir / "gate-cache", held_out_seconds=3600)
+    cfg = GateConfig(
+        registry.url, kafka.bootstrap, registry.data_dir / "gate-cache", held_out=HeldOutWindow(3600)
+    )
     gate = Gate(cfg, load_head())
     try:
         yield gate, reg

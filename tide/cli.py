@@ -396,6 +396,7 @@ def gate(
     """The acceptance gate: promote a candidate to `champion` only if it beats what serves now."""
     from tide.config import cache_dir
     from tide.models.loader import load_head
+    from tide.producers.records import HeldOutWindow
     from tide.registry.gate import Gate, GateConfig
 
     _setup_logging(verbose)
@@ -403,7 +404,7 @@ def gate(
         head = load_head(model)
         cfg = GateConfig(
             mlflow, kafka, cache_dir() / "gate", margin=margin, confidence=confidence, min_speedup=min_speedup, min_tau=min_tau,
-            gamma=gamma, gamma_max=max(4, gamma), min_positions=min_positions, held_out_seconds=held_out_seconds,
+            gamma=gamma, gamma_max=max(4, gamma), held_out=HeldOutWindow(held_out_seconds, min_positions=min_positions),
         )  # fmt: skip
         g = Gate(cfg, head)
         try:

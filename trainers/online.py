@@ -31,7 +31,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,7 +41,7 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead
 from tide.producers.assembler import RequestAssembler, record_key
 from tide.producers.consumer import RecordConsumer
-from tide.producers.records import HiddenStateRecord, TargetShape
+from tide.producers.records import HeldOutWindow, HiddenStateRecord, TargetShape
 from tide.trainers.checkpoint import (
     KeySet,
     Ledger,
@@ -74,11 +74,7 @@ class OnlineConfig:
     # without new records (most of them: a trainer outpaces its traffic) train mostly on the new
     # workload instead of in proportion to its small share of the buffer
     recent_examples: int = 12
-    # held-out examples: those of the last `held_out_seconds` (after a shift the held-out set must be
-    # the new traffic soon), at most `held_out_positions`, at least `held_out_floor` when there are
-    held_out_positions: int = 1536
-    held_out_seconds: float = 120.0
-    held_out_floor: int = 256
+    held_out: HeldOutWindow = field(default_factory=HeldOutWindow)
     vocab_warmup_positions: int = 2048  # positions read before the draft vocabulary is refitted
     # the traffic moved away from the draft vocabulary: refit once the last `vocab_warmup_positions`
     # completion tokens are covered less than this
@@ -171,6 +167,11 @@ def keep_recent(
         total += n
         i -= 1
     return examples[i:]
+
+
+def in_window(examples: list[Example], window: HeldOutWindow, now: float) -> list[Example]:
+    """The held-out examples drafts are judged on at `now` (`HeldOutWindow`)."""
+    return keep_recent(examples, window.max_positions, now - window.seconds, window.min_positions)
 
 
 def coverage(examples: list[Example], covered: torch.Tensor) -> float:
@@ -413,8 +414,7 @@ class OnlineTrainer:
 
     def _trim_held_out(self) -> None:
         cfg = self.cfg
-        since = time.time() - cfg.held_out_seconds
-        self.held_out = keep_recent(self.held_out, cfg.held_out_positions, since, cfg.held_out_floor)
+        self.held_out = in_window(self.held_out, cfg.held_out, time.time())
 
     def _train(self, fresh: list[Example], force: bool = False) -> None:
         if not self.vocab_fitted:
