@@ -137,7 +137,7 @@ class Evaluation:
 
 
 @dataclass
-class Decision:
+class Verdict:
     name: str
     version: str
     decision: str  # promoted, refused, skipped
@@ -297,7 +297,7 @@ class Gate:
         self.failed: list[str] = []  # the last pass's models without a verdict, and why
 
     # -- one pass over every workload ---------------------------------------------------------------
-    def run_once(self) -> list[Decision]:
+    def run_once(self) -> list[Verdict]:
         """One pass, if this gate holds the lease. A model whose drafts cannot be read now gets no
         decision (`failed` says why) and the others go on."""
         self.failed = []
@@ -305,7 +305,7 @@ class Gate:
             log.info("another gate holds the lease: not acting")
             return []
         prefix = model_prefix(self.head.fingerprint)
-        decisions: list[Decision] = []
+        decisions: list[Verdict] = []
         for rm in self.client.search_registered_models(f"name LIKE '{prefix}%'"):
             try:
                 decisions += self.gate_model(rm, rm.name[len(prefix) :])
@@ -335,7 +335,7 @@ class Gate:
         finally:
             self._release()
 
-    def gate_model(self, rm: RegisteredModel, workload: str) -> list[Decision]:
+    def gate_model(self, rm: RegisteredModel, workload: str) -> list[Verdict]:
         versions = self.client.search_model_versions(f"name = '{rm.name}'")
         undecided = sorted((v for v in versions if "gate.decision" not in (v.tags or {})), key=_number)
         champion = alias_version(self.client, rm.name, CHAMPION)
@@ -382,7 +382,7 @@ class Gate:
 
     def _recheck(
         self, rm: RegisteredModel, versions: list[ModelVersion], champion: ModelVersion | None, held: HeldOut
-    ) -> list[Decision]:
+    ) -> list[Verdict]:
         """No candidate, but new held-out traffic: does an earlier champion serve it better than the
         champion (a workload that came back while its trainer had nothing new to publish)?"""
         alumni = _alumni(versions, champion, self.cfg.recall)
@@ -404,7 +404,7 @@ class Gate:
         reason = (f"champion v{champion.version} scores {now.score(gamma):.3f} on the last "
                   f"{held.positions} held-out positions, earlier champion v{mv.version} {old.score(gamma):.3f}")  # fmt: skip
         tags = self._bring_back(rm, champion, mv, old, reason)
-        return [Decision(mv.name, str(mv.version), "recalled", reason, tags)]
+        return [Verdict(mv.name, str(mv.version), "recalled", reason, tags)]
 
     def _bring_back(
         self,
@@ -435,7 +435,7 @@ class Gate:
         positions: int,
         profile: StepProfile | None,
         alumni: Sequence[ModelVersion] = (),
-    ) -> Decision:
+    ) -> Verdict:
         gamma = self.cfg.gamma
         tags: dict[str, str] = {"gate.held_out_positions": str(positions), "gate.profile": _describe(profile)}
         try:
@@ -567,7 +567,7 @@ class Gate:
         reason: str,
         tags: dict[str, str],
         act: Callable[[], None] | None = None,
-    ) -> Decision:
+    ) -> Verdict:
         """Tag the evidence, carry the decision out (`act`: a promotion moves the alias), then tag the
         decision: a gate stopped in between leaves a version that is gated again, never a champion
         without its figures (a loop test's gate, stopped mid-promotion, once did)."""
@@ -577,7 +577,7 @@ class Gate:
             act()
         decided = {"gate.decision": decision, "gate.time": _now()}
         set_tags(self.client, mv, dict(decided))
-        return Decision(mv.name, str(mv.version), decision, reason, {**evidence, **decided})
+        return Verdict(mv.name, str(mv.version), decision, reason, {**evidence, **decided})
 
     def close(self) -> None:
         for h in self.held_out.values():

@@ -120,7 +120,7 @@ def parse_rules(spec: str) -> dict[str, CaptureRule]:
 
 
 @dataclass(frozen=True)
-class Decision:
+class CaptureDecision:
     capture: bool
     held_out: bool = False  # its records only ever evaluate drafts
 
@@ -181,10 +181,10 @@ class CapturePolicy:
 
     def decide(
         self, workload: str, opted_out: bool, request_id: str | None = None, prompt: list[int] | None = None
-    ) -> Decision:
+    ) -> CaptureDecision:
         """Capture this request, and hold it out? The client's opt-out always wins."""
         if opted_out:
-            return Decision(False)
+            return CaptureDecision(False)
         r = self.rule(workload)
         key = hash(tuple(prompt)) if prompt is not None else None
         with self._lock:
@@ -193,10 +193,10 @@ class CapturePolicy:
         held = by_id if known is None else known
         # not training: still the held-out share, so the gate judges today's traffic
         if r.auto and self.advisor is not None and not held and not self.advisor(workload):
-            return Decision(False)
+            return CaptureDecision(False)
         with self._lock:
             if not (r.enabled and self._rng.random() < r.fraction):
-                return Decision(False)
+                return CaptureDecision(False)
         with self._lock:
             if known is None:
                 held = self._hold_out(workload, by_id)
@@ -205,7 +205,7 @@ class CapturePolicy:
                 self._held.move_to_end(key)
                 if len(self._held) > self.remember_prompts:
                     self._held.popitem(last=False)
-        return Decision(True, held)
+        return CaptureDecision(True, held)
 
     def _hold_out(self, workload: str, by_id: bool) -> bool:
         """A captured request: held out by its id, or, while the gate's window holds fewer than

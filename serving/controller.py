@@ -294,7 +294,7 @@ class StepCosts:
 
 
 @dataclass
-class Decision:
+class GammaChoice:
     gamma: int
     predicted_speedup: float
     explore: bool = False
@@ -308,7 +308,7 @@ class Controller:
         self.costs = StepCosts(profiles, cfg.cost_horizon)
         self.acceptance: dict[str, Acceptance] = {}
         self.steps = 0  # decisions made: every explore_every-th explores
-        self.last = Decision(0, 1.0)
+        self.last = GammaChoice(0, 1.0)
         self.measured_speedup = 1.0  # moving average of measured tokens/s over plain decoding's
         self.batch_size = 1  # of the last decode step: per-workload decisions are judged at it
         # (workload, draft version) -> what was measured of a draft that was swapped out, and when
@@ -342,9 +342,9 @@ class Controller:
         b = len(workloads)
         return self._taus(workloads)[gamma] * self.costs.step_time(b, 0) / self.costs.step_time(b, gamma)
 
-    def best(self, workloads: list[str]) -> Decision:
+    def best(self, workloads: list[str]) -> GammaChoice:
         if not workloads:
-            return Decision(0, 1.0)
+            return GammaChoice(0, 1.0)
         b = len(workloads)
         taus = self._taus(workloads, 0.0 if self.last.pays else self.cfg.resume_doubt)
         plain = self.costs.step_time(b, 0)
@@ -353,12 +353,12 @@ class Controller:
         ]
         top = max(range(len(speedups)), key=speedups.__getitem__)
         return (
-            Decision(top, speedups[top])
+            GammaChoice(top, speedups[top])
             if speedups[top] >= self.cfg.min_gain
-            else Decision(0, 1.0, pays=False)
+            else GammaChoice(0, 1.0, pays=False)
         )
 
-    def choose(self, workloads: list[str]) -> Decision:
+    def choose(self, workloads: list[str]) -> GammaChoice:
         """The gamma of the next step for a batch of these workloads (one entry per sequence)."""
         d = self.best(workloads)
         self.steps += 1
@@ -370,7 +370,7 @@ class Controller:
             # while off, one check stands for the steps in between (a quarter of the short average
             # at most): a draft that pays again is noticed after a few checks, not a hundred
             span = min(every, int(self.cfg.short_steps / 4)) if d.gamma == 0 else 1
-            d = Decision(d.gamma + 1, self.speedup(workloads, d.gamma + 1), True, span, d.gamma > 0)
+            d = GammaChoice(d.gamma + 1, self.speedup(workloads, d.gamma + 1), True, span, d.gamma > 0)
         self.last = d
         return d
 

@@ -10,9 +10,9 @@ import pytest
 
 from tide.producers.records import is_held_out
 from tide.serving.capture import (
+    CaptureDecision,
     CapturePolicy,
     CaptureRule,
-    Decision,
     TrainingAdvisor,
     WorkloadSet,
     parse_rules,
@@ -70,14 +70,14 @@ def test_a_prompt_that_comes_again_keeps_its_held_out_status() -> None:
     policy = CapturePolicy(parse_rules("*=on"), remember_prompts=2, held_out_min=0)  # by id alone
     trained = next(f"r{i}" for i in range(100) if not is_held_out(f"r{i}"))
     held = next(f"r{i}" for i in range(100) if is_held_out(f"r{i}"))
-    assert policy.decide("w", False, trained, [1, 2]) == Decision(True, False)
-    assert policy.decide("w", False, held, [3]) == Decision(True, True)
+    assert policy.decide("w", False, trained, [1, 2]) == CaptureDecision(True, False)
+    assert policy.decide("w", False, held, [3]) == CaptureDecision(True, True)
     # greedy decoding answers them as before: what was learnt from never evaluates, and back
-    assert policy.decide("w", False, held, [1, 2]) == Decision(True, False)
-    assert policy.decide("w", False, trained, [3]) == Decision(True, True)
+    assert policy.decide("w", False, held, [1, 2]) == CaptureDecision(True, False)
+    assert policy.decide("w", False, trained, [3]) == CaptureDecision(True, True)
     policy.decide("w", False, trained, [4])
     policy.decide("w", False, trained, [5])  # [1, 2] and [3] are forgotten: the id decides again
-    assert policy.decide("w", False, held, [1, 2]) == Decision(True, True)
+    assert policy.decide("w", False, held, [1, 2]) == CaptureDecision(True, True)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import DraftLoadError, DraftMismatchError, Eagle3Draft
 from tide.models.loader import Target, TargetHead, load_head
 from tide.producers.records import HeldOutWindow
-from tide.registry.gate import Decision, Gate, GateConfig, GateLease, backoff
+from tide.registry.gate import Gate, GateConfig, GateLease, Verdict, backoff
 from tide.registry.store import SHA_TAG, AliasMoved, ArtifactRefused, download_version
 from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.engine import Engine, EngineConfig
@@ -270,7 +270,7 @@ def _read_held_out(gate: Gate, workload: str) -> None:
     pytest.fail("the gate never read the held-out records")
 
 
-def _decisions(gate: Gate, reg: Registrar) -> list[Decision]:
+def _decisions(gate: Gate, reg: Registrar) -> list[Verdict]:
     return [d for d in gate.run_once() if d.name == reg.name]
 
 
@@ -367,7 +367,7 @@ def test_the_gate_backs_off_while_passes_fail(head: TargetHead) -> None:
     gate = Gate(GateConfig("http://127.0.0.1:9", "", Path("/nonexistent"), max_backoff_seconds=60), head)
     outcomes = iter(["down", "down", "down", "down", "ok", "down"])
 
-    def run_once() -> list[Decision]:
+    def run_once() -> list[Verdict]:
         if next(outcomes) == "down":
             raise ConnectionError("registry away")
         return []

@@ -38,7 +38,7 @@ from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.producers.records import is_held_out
 from tide.prompts import load_prompts, split
 from tide.registry.store import CHAMPION, register_folder
-from tide.serving.capture import CapturePolicy, CaptureRule, Decision, TrainingAdvisor
+from tide.serving.capture import CaptureDecision, CapturePolicy, CaptureRule, TrainingAdvisor
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.engine import Engine, EngineConfig
@@ -114,7 +114,11 @@ class System:
                 self.started[phase] += 1
                 rid = request_id(workload, i, len(prompts))
                 prompt = prompts[i % len(prompts)]
-                d = self.capture.decide(WORKLOAD, False, rid, prompt) if self.capture else Decision(False)
+                d = (
+                    self.capture.decide(WORKLOAD, False, rid, prompt)
+                    if self.capture
+                    else CaptureDecision(False)
+                )
                 e.add(prompt, params, rid, workload=WORKLOAD, capture=d.capture, held_out=d.held_out)
             outputs = e.step()
             tokens += sum(len(o.new_tokens) for o in outputs)
