@@ -10,6 +10,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from tqdm import tqdm
@@ -144,9 +145,20 @@ def train(
     return draft.eval(), history
 
 
+class BootstrapReport(TypedDict):
+    """What `tide draft train` did (also written to the draft folder's training.json)."""
+
+    version: str
+    examples: int
+    tokens: int
+    seconds: float
+    config: dict[str, object]
+    history: list[dict[str, object]]
+
+
 def bootstrap(
     target: Target, prompts: list[Prompt], out: Path, cfg: BootstrapConfig, data: Path | None = None
-) -> dict[str, object]:
+) -> BootstrapReport:
     """Collect (or reuse the hidden states saved at `data`), train within the budget, save the draft."""
     start = time.monotonic()
     budget = cfg.budget_minutes * 60
@@ -162,7 +174,7 @@ def bootstrap(
     version = f"bootstrap-{time.strftime('%Y%m%d-%H%M%S')}"
     draft, history = train(target, examples, cfg, start + budget, version)
     draft.save(out)
-    report = {
+    report: BootstrapReport = {
         "version": version,
         "examples": len(examples),
         "tokens": tokens,

@@ -98,8 +98,7 @@ def draft_train(
         max_steps=max_steps,
     )
     report = bootstrap(target, _interleave(items, len(prompts)), out, cfg, data)
-    history = report["history"]
-    last = history[-1] if isinstance(history, list) and history else {}
+    last = report["history"][-1] if report["history"] else {}
     typer.echo(
         json.dumps(
             {"out": str(out), "examples": report["examples"], "tokens": report["tokens"], "final_eval": last},

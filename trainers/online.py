@@ -378,6 +378,7 @@ class OnlineTrainer:
         return fresh
 
     def _read_once(self, timeout: float) -> list[Example] | None:
+        """One poll's new examples (as `_read`)."""
         consumed = self.consumer.poll(self.cfg.poll_records, timeout)
         stats = self.consumer.stats
         self.ledger.skipped, self.ledger.refused = stats.skipped, dict(stats.refused)
