@@ -13,6 +13,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from tide.names import topic_for, workload_of
 from tide.producers.records import (
     ForeignTarget,
     HiddenStateRecord,
@@ -21,7 +22,7 @@ from tide.producers.records import (
     TargetShape,
     decode,
 )
-from tide.producers.topics import TopicConfig, topic_for, workload_of
+from tide.producers.topics import TopicConfig
 
 log = logging.getLogger("tide.producers")
 

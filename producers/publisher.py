@@ -29,9 +29,10 @@ import torch
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
+from tide.names import topic_for
 from tide.producers.records import CODECS, HiddenStateRecord, encode
 from tide.producers.tap import TapEvent
-from tide.producers.topics import TopicConfig, ensure_topic, topic_for
+from tide.producers.topics import TopicConfig, ensure_topic
 
 log = logging.getLogger("tide.producers")
 

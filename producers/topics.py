@@ -7,15 +7,7 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-TOPIC_PREFIX = "tide.hidden."
-
-
-def topic_for(workload: str) -> str:
-    return TOPIC_PREFIX + workload
-
-
-def workload_of(topic: str) -> str:
-    return topic.removeprefix(TOPIC_PREFIX)
+from tide.names import topic_for
 
 
 @dataclass

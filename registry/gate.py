@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +45,7 @@ from mlflow.exceptions import MlflowException
 
 from tide.models.eagle3 import DraftLoadError, DraftMismatchError, Eagle3Draft
 from tide.models.loader import TargetHead
+from tide.names import gate_group, lease_prefix, model_name, model_prefix
 from tide.producers.assembler import RequestAssembler
 from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HeldOutWindow, HiddenStateRecord
@@ -57,11 +58,10 @@ from tide.registry.store import (
     ArtifactRefused,
     alias_version,
     download_version,
-    model_name,
-    model_prefix,
     move_alias,
     set_tags,
 )
+from tide.registry.tags import Figures, GateVerdict, Recall, VersionTags, champion_until_tags, now
 from tide.trainers.online import completion_positions, example_of, in_window
 from tide.trainers.ttt import Example, TrainConfig, evaluate
 
@@ -113,6 +113,9 @@ class Evaluation:
         """Best predicted speedup; without a profile, tau at the serving gamma."""
         return max(self.speedup) if self.speedup is not None else self.tau[gamma - 1]
 
+    def figures(self, gamma: int) -> Figures:
+        return Figures(self.tau, self.speedup, self.best_gamma, self.score(gamma))
+
     def gain_over(self, other: Evaluation, gamma: int) -> tuple[float, float]:
         """Tau gain at gamma over `other`, evaluated on the same examples, and its standard error with
         the examples as paired units (positions within one are not independent draws)."""
@@ -140,7 +143,7 @@ class Evaluation:
 class Verdict:
     name: str
     version: str
-    decision: str  # promoted, refused, skipped
+    decision: str  # a GateVerdict's (promoted, refused, skipped), or recalled
     reason: str
     tags: dict[str, str] = field(default_factory=dict)
 
@@ -166,7 +169,7 @@ class HeldOut:
         self.checked = 0  # `arrived` when the champion was last weighed against earlier ones
         self.drained = False  # a first drain has waited for the partitions (or its whole budget)
         # a group of its own: nothing is committed, and a standby gate must not take half the partitions
-        group = f"tide-gate.{workload}.{uuid.uuid4().hex[:8]}"
+        group = gate_group(workload, uuid.uuid4().hex[:8])
         self.consumer = RecordConsumer(cfg.bootstrap, [workload], group, head.fingerprint)
         self.requests = RequestAssembler()  # judged whole, as they are served
 
@@ -207,9 +210,6 @@ class NoVerdict(RuntimeError):
     """A decision cannot be made now (a baseline out of reach, the lease lost): none is recorded."""
 
 
-LEASE_PREFIX = "tide-gate-lease-"
-
-
 class GateLease:
     """Only one gate acts on a target's drafts in a registry at a time.
 
@@ -225,7 +225,7 @@ class GateLease:
 
     def __init__(self, client: MlflowClient, fingerprint: str, seconds: float, owner: str | None = None):
         self.client = client
-        self.prefix = f"{LEASE_PREFIX}{fingerprint[:12]}-"
+        self.prefix = lease_prefix(fingerprint)
         self.seconds = seconds
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.epoch: int | None = None  # the epoch this gate created, while it may hold it
@@ -337,7 +337,9 @@ class Gate:
 
     def gate_model(self, rm: RegisteredModel, workload: str) -> list[Verdict]:
         versions = self.client.search_model_versions(f"name = '{rm.name}'")
-        undecided = sorted((v for v in versions if "gate.decision" not in (v.tags or {})), key=_number)
+        undecided = sorted(
+            (v for v in versions if VersionTags.from_tags(v.tags).verdict is None), key=_number
+        )
         champion = alias_version(self.client, rm.name, CHAMPION)
         held = self._held_out(workload)
         if not undecided:
@@ -345,13 +347,15 @@ class Gate:
         newest = undecided[-1]
         if champion is not None and champion.version == newest.version:  # made champion by hand
             return [
-                self._record(v, "skipped", "made champion outside the gate", {})
+                self._record(v, GateVerdict("skipped", "made champion outside the gate"))
                 if v is newest
-                else self._record(v, "skipped", f"superseded by version {newest.version}", {})
+                else self._record(v, GateVerdict("skipped", f"superseded by version {newest.version}"))
                 for v in undecided
             ]
         decisions = [
-            self._record(v, "skipped", f"superseded by version {newest.version} before it was gated", {})
+            self._record(
+                v, GateVerdict("skipped", f"superseded by version {newest.version} before it was gated")
+            )
             for v in undecided[:-1]
         ]
         examples = held.examples
@@ -403,8 +407,8 @@ class Gate:
         mv, old = recalled
         reason = (f"champion v{champion.version} scores {now.score(gamma):.3f} on the last "
                   f"{held.positions} held-out positions, earlier champion v{mv.version} {old.score(gamma):.3f}")  # fmt: skip
-        tags = self._bring_back(rm, champion, mv, old, reason)
-        return [Verdict(mv.name, str(mv.version), "recalled", reason, tags)]
+        recall = self._bring_back(rm, champion, mv, old, reason)
+        return [Verdict(mv.name, str(mv.version), "recalled", reason, recall.to_tags())]
 
     def _bring_back(
         self,
@@ -413,16 +417,12 @@ class Gate:
         mv: ModelVersion,
         ev: Evaluation,
         reason: str,
-    ) -> dict[str, str]:
+    ) -> Recall:
         """Make an earlier champion the champion again; its `gate.recall.*` tags say why."""
         self._promote(rm, champion, mv)
-        tags = {
-            **_figures("gate.recall", ev, self.cfg.gamma),
-            "gate.recall.time": _now(),
-            "gate.recall.reason": reason,
-        }
-        set_tags(self.client, mv, tags)
-        return tags
+        recall = Recall(ev.figures(self.cfg.gamma), reason)
+        set_tags(self.client, mv, recall.to_tags())
+        return recall
 
     # -- a decision -----------------------------------------------------------------------------
     def _decide(
@@ -437,21 +437,23 @@ class Gate:
         alumni: Sequence[ModelVersion] = (),
     ) -> Verdict:
         gamma = self.cfg.gamma
-        tags: dict[str, str] = {"gate.held_out_positions": str(positions), "gate.profile": _describe(profile)}
+        v = GateVerdict("refused", "", held_out_positions=positions, profile=_describe(profile))
         try:
             ev = self.evaluate(cand, examples, profile)
         except ArtifactRefused as e:
-            return self._record(cand, "refused", f"{e.reason}: {e}", tags)
+            return self._record(cand, replace(v, reason=f"{e.reason}: {e}"))
         except (DraftLoadError, DraftMismatchError) as e:  # other errors: no verdict (fail closed)
             kind = "foreign target" if isinstance(e, DraftMismatchError) else "unloadable"
-            return self._record(cand, "refused", f"{kind}: {e}", tags)
-        tags |= _figures("gate", ev, gamma)
+            return self._record(cand, replace(v, reason=f"{kind}: {e}"))
         base_mv, base = self._baseline(workload, cand, champion, examples, profile)
-        if base is not None and base_mv is not None:
-            tags |= _figures("gate.baseline", base, gamma)
-            tags["gate.baseline"] = f"{base_mv.name} v{base_mv.version}"
-        else:
-            tags["gate.baseline"] = "none"
+        v = replace(
+            v,
+            figures=ev.figures(gamma),
+            baseline=f"{base_mv.name} v{base_mv.version}"
+            if base is not None and base_mv is not None
+            else "none",
+            baseline_figures=base.figures(gamma) if base is not None else None,
+        )
         score = ev.score(gamma)
         minimum, unit = (self.cfg.min_speedup, "speedup") if profile else (self.cfg.min_tau, f"tau@{gamma}")
         needed = max(minimum, base.score(gamma) * (1 + self.cfg.margin) if base is not None else 0.0)
@@ -462,28 +464,25 @@ class Gate:
             mv, old = recalled
             reason = f"{unit} {score:.3f}, but earlier champion v{mv.version} has {old.score(gamma):.3f}"
             self._bring_back(rm, champion, mv, old, f"beat candidate v{cand.version}: {reason}")
-            return self._record(cand, "refused", reason, tags)
+            return self._record(cand, replace(v, reason=reason))
         if score < minimum:
-            return self._record(cand, "refused", f"{unit} {score:.3f} below the minimum {minimum:.3f}", tags)
+            return self._record(
+                cand, replace(v, reason=f"{unit} {score:.3f} below the minimum {minimum:.3f}")
+            )
         if base is not None and score < needed:
             reason = (f"{unit} {score:.3f} does not beat the baseline's {base.score(gamma):.3f} "
                       f"by {self.cfg.margin:.0%} (needs {needed:.3f})")  # fmt: skip
-            return self._record(cand, "refused", reason, tags)
+            return self._record(cand, replace(v, reason=reason))
         if base is not None:
             sure, gain = ev.beats(base, self.cfg.confidence)
-            tags["gate.gain"] = gain
+            v = replace(v, gain=gain)
             if not sure:
                 reason = (f"{unit} {score:.3f} over the baseline's {base.score(gamma):.3f}, but {gain} "
                           f"on {len(examples)} examples: under {self.cfg.confidence:g} standard errors")  # fmt: skip
-                return self._record(cand, "refused", reason, tags)
+                return self._record(cand, replace(v, reason=reason))
         over = f"baseline {base.score(gamma):.3f}" if base is not None else "no baseline"
-        return self._record(
-            cand,
-            "promoted",
-            f"{unit} {score:.3f} (over {over})",
-            tags,
-            lambda: self._promote(rm, champion, cand),
-        )
+        promoted = replace(v, decision="promoted", reason=f"{unit} {score:.3f} (over {over})")
+        return self._record(cand, promoted, lambda: self._promote(rm, champion, cand))
 
     def _promote(self, rm: RegisteredModel, champion: ModelVersion | None, mv: ModelVersion) -> None:
         """`mv` becomes champion, only if the champion is still the one this decision read (a node's
@@ -498,7 +497,7 @@ class Gate:
             )
         if champion is not None:
             self.client.set_registered_model_alias(rm.name, PREVIOUS, champion.version)
-            set_tags(self.client, champion, {"gate.champion_until": _now()})  # recallable from now on
+            set_tags(self.client, champion, champion_until_tags())  # recallable from now on
         move_alias(self.client, rm.name, CHAMPION, read, str(mv.version))
 
     def _recall(
@@ -560,24 +559,16 @@ class Gate:
             speedup = [profile.speedup_at(t, g) for g, t in enumerate(m.step_tau, start=1)]
         return Evaluation(str(mv.version), m.step_tau, speedup, m.accepted, m.anchors)
 
-    def _record(
-        self,
-        mv: ModelVersion,
-        decision: str,
-        reason: str,
-        tags: dict[str, str],
-        act: Callable[[], None] | None = None,
-    ) -> Verdict:
+    def _record(self, mv: ModelVersion, v: GateVerdict, act: Callable[[], None] | None = None) -> Verdict:
         """Tag the evidence, carry the decision out (`act`: a promotion moves the alias), then tag the
         decision: a gate stopped in between leaves a version that is gated again, never a champion
         without its figures (a loop test's gate, stopped mid-promotion, once did)."""
-        evidence = {**tags, "gate.reason": reason}
-        set_tags(self.client, mv, dict(evidence))
+        set_tags(self.client, mv, v.evidence_tags())
         if act is not None:
             act()
-        decided = {"gate.decision": decision, "gate.time": _now()}
-        set_tags(self.client, mv, dict(decided))
-        return Verdict(mv.name, str(mv.version), decision, reason, {**evidence, **decided})
+        v = replace(v, time=now())
+        set_tags(self.client, mv, v.decision_tags())
+        return Verdict(mv.name, str(mv.version), v.decision, v.reason, v.to_tags())
 
     def close(self) -> None:
         for h in self.held_out.values():
@@ -600,27 +591,11 @@ def _number(mv: ModelVersion) -> int:
     return int(mv.version)
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-
 def _alumni(versions: list[ModelVersion], champion: ModelVersion | None, n: int) -> list[ModelVersion]:
     """The newest n versions that were champion once (the gate promoted them, or displaced them) and are not now."""
-    now = champion.version if champion is not None else None
-    done = [
-        v for v in versions
-        if v.version != now and ((v.tags or {}).get("gate.decision") == "promoted" or "gate.champion_until" in (v.tags or {}))
-    ]  # fmt: skip
+    serving = champion.version if champion is not None else None
+    done = [v for v in versions if v.version != serving and VersionTags.from_tags(v.tags).was_champion]
     return sorted(done, key=_number)[-n:] if n > 0 else []
-
-
-def _figures(prefix: str, ev: Evaluation, gamma: int) -> dict[str, str]:
-    out = {f"{prefix}.tau_gamma{g}": f"{t:.4f}" for g, t in enumerate(ev.tau, start=1)}
-    if ev.speedup is not None:
-        out |= {f"{prefix}.speedup_gamma{g}": f"{s:.4f}" for g, s in enumerate(ev.speedup, start=1)}
-    out[f"{prefix}.best_gamma"] = str(ev.best_gamma)
-    out[f"{prefix}.score"] = f"{ev.score(gamma):.4f}"
-    return out
 
 
 def _describe(profile: StepProfile | None) -> str:

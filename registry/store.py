@@ -22,6 +22,8 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
+from tide.names import EXPERIMENT, model_name
+
 log = logging.getLogger("tide.registry")
 
 CHAMPION = "champion"
@@ -37,14 +39,6 @@ class ArtifactRefused(RuntimeError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
-
-
-def model_name(fingerprint: str, workload: str) -> str:
-    return f"tide-draft-{fingerprint[:12]}-{workload}"
-
-
-def model_prefix(fingerprint: str) -> str:
-    return f"tide-draft-{fingerprint[:12]}-"
 
 
 def file_hashes(folder: Path) -> dict[str, str]:
@@ -180,8 +174,8 @@ def register_folder(
     """Register a draft folder by hand (an operator's bootstrap draft, a benchmark's starting point):
     its own run in experiment `tide-drafts`, the registered model created if missing."""
     name = model_name(fingerprint, workload)
-    exp = client.get_experiment_by_name("tide-drafts")
-    exp_id = exp.experiment_id if exp else client.create_experiment("tide-drafts")
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    exp_id = exp.experiment_id if exp else client.create_experiment(EXPERIMENT)
     run = client.create_run(exp_id, run_name=f"registered-{workload}", tags={"workload": workload})
     if not client.search_registered_models(f"name = '{name}'"):
         client.create_registered_model(name, tags={"workload": workload, "target_fingerprint": fingerprint})

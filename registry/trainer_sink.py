@@ -1,6 +1,6 @@
 """Candidates into MLflow: one run per training session and workload, one model version per candidate.
 
-The registered model is `tide-draft-<first 12 hex of the target fingerprint>-<workload>` (`store.model_name`).
+The registered model is `tide-draft-<first 12 hex of the target fingerprint>-<workload>` (`tide.names.model_name`).
 Each version carries, as tags, what the gate and the serving nodes check: workload, offset range,
 records consumed, target fingerprint, draft version, and the sha256 of every file of the folder.
 MLflow (or the S3 store behind it) being away when a trainer starts is waited out with backoff, for
@@ -17,12 +17,13 @@ from typing import Any, TypeVar
 
 from mlflow import MlflowClient
 
-from tide.registry.store import CHAMPION, alias_version, download_version, model_name, register_version
+from tide.names import EXPERIMENT, model_name
+from tide.registry.store import CHAMPION, alias_version, download_version, register_version
+from tide.registry.tags import CandidateTags
 from tide.trainers.export import export_all
 from tide.trainers.online import Backoff, Candidate
 
 log = logging.getLogger("tide.trainers")
-EXPERIMENT = "tide-drafts"
 START_WAIT_S = 300.0  # how long a starting trainer waits for MLflow to come back
 
 T = TypeVar("T")
@@ -107,17 +108,17 @@ class MlflowSink:
         export_all(c.folder)
         artifact_path = f"candidates/{c.version}"
         offsets = {k: [c.ledger.first_offsets.get(k, 0), v] for k, v in sorted(c.ledger.offsets.items())}
-        tags = {
-            "workload": self.workload,
-            "target_fingerprint": self.fingerprint,
-            "draft_version": c.version,
-            "records_consumed": str(c.ledger.records),
-            "steps": str(step),
-            "offset_range": ";".join(f"{k}={a}..{b}" for k, (a, b) in offsets.items()),
-            "held_out_tau": f"{c.metrics.tau[-1]:.4f}",
-            "held_out_gain": f"{c.gain:.4f}",
-        }
-        mv = register_version(self.client, self.name, self.run_id, c.folder, artifact_path, tags)
+        tags = CandidateTags(
+            workload=self.workload,
+            target_fingerprint=self.fingerprint,
+            draft_version=c.version,
+            records_consumed=c.ledger.records,
+            steps=step,
+            offset_range=";".join(f"{k}={a}..{b}" for k, (a, b) in offsets.items()),
+            held_out_tau=c.metrics.tau[-1],
+            held_out_gain=c.gain,
+        )
+        mv = register_version(self.client, self.name, self.run_id, c.folder, artifact_path, tags.to_tags())
         log.info("candidate %s registered as %s version %s", c.version, self.name, mv.version)
 
     def close(self, status: str = "FINISHED") -> None:

@@ -23,7 +23,7 @@ LAYERS: list[list[str]] = [
     ["registry"],
     ["trainers"],
     ["producers", "infra"],
-    ["tide/config.py", "tide/prompts.py", "tide/__init__.py"],
+    ["tide/config.py", "tide/names.py", "tide/prompts.py", "tide/__init__.py"],
     ["tide/models"],
 ]
 # where each installed package comes from (pyproject's package-dir)

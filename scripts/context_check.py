@@ -23,7 +23,8 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import load_target
 from tide.producers.records import decode, encode
 from tide.prompts import load_prompts, split
-from tide.serving.engine import DraftStats, Engine, EngineConfig
+from tide.serving.drafts import DraftStats
+from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 from tide.trainers.online import example_of
 from tide.trainers.ttt import TrainConfig, evaluate

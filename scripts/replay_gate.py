@@ -17,7 +17,6 @@ import json
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -31,6 +30,7 @@ from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HiddenStateRecord
 from tide.registry.gate import Gate, GateConfig, parse_profile
 from tide.registry.store import PROFILE_TAG
+from tide.registry.tags import VersionTags, parse_time
 from tide.trainers.online import example_of, in_window
 from tide.trainers.ttt import Example
 
@@ -73,12 +73,11 @@ def main(work: Path, workload: str = "default") -> None:
             profile = parse_profile((rm.tags or {}).get(PROFILE_TAG))
             versions = {v.version: v for v in client.search_model_versions(f"name = '{rm.name}'")}
             for v in sorted(versions.values(), key=lambda v: int(v.version)):
-                tags = v.tags or {}
-                baseline = tags.get("gate.baseline", "none")
-                if tags.get("gate.decision") not in ("promoted", "refused") or baseline == "none":
+                verdict = VersionTags.from_tags(v.tags).verdict
+                if verdict is None or verdict.decision == "skipped" or verdict.baseline_version is None:
                     continue
-                base = versions[baseline.rsplit(" v", 1)[1]]
-                when = datetime.strptime(tags["gate.time"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+                base = versions[verdict.baseline_version]
+                when = parse_time(verdict.time)
                 held = in_window([ex for _, held_out, ex in records if ex.created_at <= when and held_out],
                                  cfg.held_out, when)  # fmt: skip
                 after = [
@@ -92,8 +91,8 @@ def main(work: Path, workload: str = "default") -> None:
                 gain, se = cand.gain_over(old, gamma)
                 cand_after, old_after = gate.evaluate(v, after, profile), gate.evaluate(base, after, profile)
                 row = {
-                    "version": v.version, "baseline": base.version, "decision": tags["gate.decision"],
-                    "reason": tags.get("gate.reason", ""), "held_out_requests": len(held), "gamma": gamma,
+                    "version": v.version, "baseline": base.version, "decision": verdict.decision,
+                    "reason": verdict.reason, "held_out_requests": len(held), "gamma": gamma,
                     "gain": round(gain, 4), "standard_error": round(se, 4), "z": round(gain / se, 2) if se else None,
                     "after_examples": len(after), "after_tau": round(cand_after.tau[gamma - 1], 4),
                     "after_baseline_tau": round(old_after.tau[gamma - 1], 4),

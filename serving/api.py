@@ -36,10 +36,11 @@ from tide.serving.admin import admin_router
 from tide.serving.capture import CapturePolicy, TrainingAdvisor
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.draft_sync import DraftSync, SyncConfig
-from tide.serving.engine import Engine, EngineConfig, Sequence
+from tide.serving.engine import Engine, EngineConfig
 from tide.serving.engine_loop import Delta, EngineLoop, QueueFull
 from tide.serving.metrics import ServingMetrics
 from tide.serving.protocol import ChatRequest, CompletionRequest, describe, error_response
+from tide.serving.sequence import Sequence
 
 log = logging.getLogger("tide.serving")
 MODEL_ID = "tide"
@@ -127,13 +128,13 @@ class _DraftFaultCollector(Collector):
         e = self.engine
         yield CounterMetricFamily(
             "tide_draft_step_failures", "Steps on which a draft raised (served without it)",
-            value=e.draft_step_failures,
+            value=e.drafts.step_failures,
         )  # fmt: skip
         yield CounterMetricFamily(
-            "tide_draft_reverts", "Drafts reverted after failing steps in a row", value=e.draft_reverts
+            "tide_draft_reverts", "Drafts reverted after failing steps in a row", value=e.drafts.reverts
         )
         yield GaugeMetricFamily("tide_degraded", "1 while a reverted draft leaves a workload degraded",
-                                value=float(bool(e.degraded)))  # fmt: skip
+                                value=float(bool(e.drafts.degraded)))  # fmt: skip
 
 
 async def _disconnected(request: Request) -> None:
@@ -304,7 +305,7 @@ def make_app(
         draft failed step after step and was reverted ("degraded" says which and why): that
         workload is served without the failing draft's speculation, which is slower but correct,
         so a load balancer should keep the node; alerts can watch the status."""
-        degraded = dict(engine.degraded)
+        degraded = dict(engine.drafts.degraded)
         return {
             "status": "degraded" if degraded else "ok",
             **({"degraded": degraded} if degraded else {}),

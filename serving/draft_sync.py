@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from tide.models.eagle3 import DraftLoadError, DraftMismatchError, Eagle3Draft
+from tide.names import model_name
 from tide.registry.store import (
     CHAMPION,
     PREVIOUS,
@@ -40,10 +40,10 @@ from tide.registry.store import (
     ArtifactRefused,
     alias_version,
     download_version,
-    model_name,
     move_alias,
     set_tags,
 )
+from tide.registry.tags import LiveReport, Rollback, VersionTags
 from tide.serving.cost_model import measure_profile
 from tide.serving.engine import Engine
 
@@ -193,15 +193,18 @@ class DraftSync:
             if e.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return
             raise
-        made = [v for v in versions if "held_out_gain" in (v.tags or {})]  # the trainer's candidates
+        read = [(v, VersionTags.from_tags(v.tags)) for v in versions]
+        made = [(v, t) for v, t in read if t.candidate is not None]  # the trainer's candidates
         last = made[:n]
-        stalled = (
-            len(last) == n and max(float(v.tags["held_out_gain"]) for v in last) < self.cfg.min_improvement
+        stalled = len(last) == n and max(t.candidate.held_out_gain for _, t in last if t.candidate) < (
+            self.cfg.min_improvement
         )
-        _dated(self.saturated, workload, last if stalled else [])
-        gated = [v for v in made if v.tags.get("gate.decision") in ("promoted", "refused")][:k]
-        refused = len(gated) == k and all(v.tags["gate.decision"] == "refused" for v in gated)
-        _dated(self.outdone, workload, gated if refused else [])
+        _dated(self.saturated, workload, [v for v, _ in last] if stalled else [])
+        gated = [(v, t.verdict.decision) for v, t in made if t.verdict and t.verdict.decision != "skipped"][
+            :k
+        ]
+        refused = len(gated) == k and all(d == "refused" for _, d in gated)
+        _dated(self.outdone, workload, [v for v, _ in gated] if refused else [])
 
     # -- after a swap: does the draft deliver what the gate predicted? ---------------------------
     def _watch(self) -> None:
@@ -214,8 +217,7 @@ class DraftSync:
                 continue
             f.judged = True
             live, predicted = slot.stats.mean_accept_length, f.predicted_tau[gamma]
-            tags = {f"live.{self.cfg.node}.tau_gamma{gamma}": f"{live:.4f}",
-                    f"live.{self.cfg.node}.steps": str(slot.stats.steps)}  # fmt: skip
+            tags = LiveReport(self.cfg.node, gamma, live, slot.stats.steps).to_tags()
             if live >= predicted * (1 - self.cfg.rollback_tolerance):
                 self._tag(f, tags)
                 continue
@@ -248,9 +250,7 @@ class DraftSync:
         except AliasMoved as e:
             log.warning("%s; this node rolled back alone", e)
             moved = f"left alone: {e}"
-        self._tag(f, {**tags, "rollback.reason": reason, "rollback.node": self.cfg.node,
-                      "rollback.to": to or "default draft", "rollback.champion": moved,
-                      "rollback.time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})  # fmt: skip
+        self._tag(f, {**tags, **Rollback(self.cfg.node, reason, to or "default draft", moved).to_tags()})
         self.stats.rollbacks += 1  # counted once its evidence is on the version
 
     def _tag(self, f: Following, tags: dict[str, str]) -> None:
@@ -284,11 +284,7 @@ class DraftSync:
 
 
 def _predicted(mv: ModelVersion) -> dict[int, float]:
-    """tau by gamma as the gate last measured the version: when it was recalled, if it was (that
-    measurement is on more recent traffic), else when it was gated."""
-    tags = mv.tags or {}
-    prefix = "gate.recall.tau_gamma" if "gate.recall.time" in tags else "gate.tau_gamma"
-    return {int(k.removeprefix(prefix)): float(v) for k, v in tags.items() if k.startswith(prefix)}
+    return VersionTags.from_tags(mv.tags).predicted_tau
 
 
 def _dated(moments: dict[str, float], workload: str, counted: list[ModelVersion]) -> None:

@@ -14,9 +14,10 @@ import threading
 import uuid
 from dataclasses import dataclass
 
-from tide.serving.engine import Engine, Sequence
+from tide.serving.engine import Engine
 from tide.serving.metrics import ServingMetrics
 from tide.serving.sampling import SamplingParams
+from tide.serving.sequence import Sequence
 
 log = logging.getLogger("tide.serving")
 

@@ -20,7 +20,8 @@ from tide.producers.publisher import RecordPublisher
 from tide.serving.capture import DEFAULT_WORKLOAD, CapturePolicy, WorkloadSet
 from tide.serving.controller import Controller
 from tide.serving.draft_sync import DraftSync
-from tide.serving.engine import Engine, StepOutput
+from tide.serving.engine import Engine
+from tide.serving.sequence import StepOutput
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
 

@@ -60,7 +60,7 @@ class Registrar:
     """Registers draft folders as versions, the way trainers do (artifacts + sha256 tags)."""
 
     def __init__(self, url: str, fingerprint: str, workload: str):
-        from tide.registry.store import model_name
+        from tide.names import model_name
 
         self.client = MlflowClient(url)
         self.workload = workload

@@ -17,10 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.loader import Target
+from tide.names import topic_for
 from tide.producers.consumer import ConsumedRecord, RecordConsumer
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.producers.records import HiddenStateRecord, encode
-from tide.producers.topics import TopicConfig, ensure_topic, topic_for
+from tide.producers.topics import TopicConfig, ensure_topic
 from tide.serving.api import make_app
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams

@@ -26,6 +26,7 @@ from safetensors.torch import save as st_save
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, TargetHead
+from tide.names import topic_for, trainer_group
 from tide.producers.consumer import RecordConsumer
 from tide.producers.records import (
     CorruptRecord,
@@ -41,7 +42,7 @@ from tide.producers.records import (
     decode,
     encode,
 )
-from tide.producers.topics import TopicConfig, ensure_topic, topic_for
+from tide.producers.topics import TopicConfig, ensure_topic
 from tide.registry.trainer_sink import with_backoff
 from tide.trainers.checkpoint import Ledger, load_checkpoint, save_checkpoint
 from tide.trainers.online import Backoff, Candidate, OnlineConfig, OnlineTrainer
@@ -337,4 +338,4 @@ def test_the_trainer_skips_poison_commits_past_it_and_rides_out_failing_services
     ckpt = load_checkpoint(tmp_path / "state" / "checkpoints")
     assert ckpt is not None and ckpt.ledger.offsets == {f"{topic_for(workload)}:0": end}
     Eagle3Draft.load(ckpt.draft_dir, head.embed, head.config, head.fingerprint, torch.float32)
-    assert _committed(kafka.bootstrap, f"tide-trainer.{workload}", topic_for(workload)) == end
+    assert _committed(kafka.bootstrap, trainer_group(workload), topic_for(workload)) == end

@@ -26,8 +26,9 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target
 from tide.producers.tap import TapEvent
 from tide.serving.api import make_app
-from tide.serving.engine import Engine, EngineConfig, Sequence
+from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
+from tide.serving.sequence import Sequence
 
 POISON = 7  # a byte the test tokenizer refuses to decode
 
@@ -76,14 +77,14 @@ SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=77, max_tokens=24, ign
 
 # -- per-sequence faults inside a step -------------------------------------------------------------
 def _fault_in_append(engine: Engine) -> None:
-    real = engine._append
+    real = Sequence.append
 
-    def append(seq: Sequence, tokens: list[int]) -> list[int]:
-        if seq.request_id == "hostile" and len(seq.output) >= 3:
+    def append(self: Sequence, tokens: list[int], eos: set[int]) -> list[int]:
+        if self.request_id == "hostile" and len(self.output) >= 3:
             raise RuntimeError("injected: appending fails")
-        return real(seq, tokens)
+        return real(self, tokens, eos)
 
-    engine._append = append
+    Sequence.append = append  # restored by the test
 
 
 def _fault_in_forward(engine: Engine, in_prefill: bool) -> None:
@@ -116,7 +117,7 @@ def test_a_sequence_whose_own_work_raises_fails_alone(
 ) -> None:
     alone = _alone(target, INNOCENT, params)
     engine = _engine(target)
-    real_forward = engine.model.forward
+    real_forward, real_append = engine.model.forward, Sequence.append
     try:
         FAULTS[fault](engine)
         first = engine.add(INNOCENT, params, "first")
@@ -125,6 +126,7 @@ def test_a_sequence_whose_own_work_raises_fails_alone(
         _run(engine)
     finally:
         engine.model.forward = real_forward
+        Sequence.append = real_append
     assert hostile.finish_reason == "error"
     for seq in (first, last):
         assert seq.finish_reason == "length" and seq.output == alone, seq.request_id
@@ -317,7 +319,7 @@ def _broken(target: Target, how: str) -> Eagle3Draft:
 def test_a_failing_draft_costs_speculation_then_reverts_to_the_previous(target: Target, how: str) -> None:
     reverted: list[tuple[str, str, str]] = []
     engine = _engine(target, _draft(target, "good"), gamma=3)
-    engine.on_draft_revert = lambda *a: reverted.append(a)
+    engine.drafts.on_revert = lambda *a: reverted.append(a)
     engine.set_draft(_broken(target, how))
     seqs = [engine.add(INNOCENT, p, f"r{i}") for i, p in enumerate((GREEDY, SAMPLED))]
     _run(engine)
@@ -325,8 +327,8 @@ def test_a_failing_draft_costs_speculation_then_reverts_to_the_previous(target: 
     assert seqs[0].output == _alone(target, INNOCENT, GREEDY)
     assert all(s.finish_reason == "length" and len(s.output) == 24 for s in seqs)
     assert engine.draft_versions() == {"default": "good"}
-    assert engine.draft_step_failures == engine.cfg.draft_failures and engine.draft_reverts == 1
-    assert list(engine.degraded) == ["default"] and "broken" in engine.degraded["default"]
+    assert engine.drafts.step_failures == engine.cfg.draft_failures and engine.drafts.reverts == 1
+    assert list(engine.drafts.degraded) == ["default"] and "broken" in engine.drafts.degraded["default"]
     assert [(w, v) for w, v, _ in reverted] == [("default", "broken")]
     # speculation goes on with the previous draft; a new draft clears the degraded state
     steps = engine.drafts["default"].stats.steps
@@ -334,7 +336,7 @@ def test_a_failing_draft_costs_speculation_then_reverts_to_the_previous(target: 
     assert engine.drafts["default"].stats.steps > steps
     engine.set_draft(_draft(target, "fresh", seed=3))
     engine.generate([INNOCENT], GREEDY)
-    assert engine.draft_versions() == {"default": "fresh"} and not engine.degraded
+    assert engine.draft_versions() == {"default": "fresh"} and not engine.drafts.degraded
 
 
 def test_a_failing_workload_draft_reverts_to_the_default_one(target: Target) -> None:
@@ -343,7 +345,7 @@ def test_a_failing_workload_draft_reverts_to_the_default_one(target: Target) -> 
     mixed = [engine.add(INNOCENT, GREEDY, f"r{i}", workload=w) for i, w in enumerate(("default", "code"))]
     _run(engine)
     assert all(s.output == _alone(target, INNOCENT, GREEDY) for s in mixed)
-    assert engine.draft_versions() == {"default": "good"} and list(engine.degraded) == ["code"]
+    assert engine.draft_versions() == {"default": "good"} and list(engine.drafts.degraded) == ["code"]
     assert engine.drafts["default"].failures == 0
 
 

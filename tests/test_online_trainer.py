@@ -24,7 +24,7 @@ from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_head
-from tide.registry.store import model_name
+from tide.names import model_name, topic_for, trainer_group
 from tide.registry.trainer_sink import MlflowSink, champion_folder
 from tide.trainers.checkpoint import Ledger, load_checkpoint
 from tide.trainers.online import OnlineConfig, OnlineTrainer, WorkloadTaken, claim_workload
@@ -73,7 +73,7 @@ def test_trainer_publishes_candidates_with_their_evidence(
     while not trainer.ledger.records and thread.is_alive():
         time.sleep(0.1)
     with pytest.raises(WorkloadTaken):  # it has joined the workload's group: a second trainer is turned away
-        claim_workload(kafka.bootstrap, f"tide-trainer.{workload}", wait_s=2)
+        claim_workload(kafka.bootstrap, trainer_group(workload), wait_s=2)
     thread.join()
     ledger = result[0]
     trainer.close()
@@ -94,7 +94,7 @@ def test_trainer_publishes_candidates_with_their_evidence(
     v = max(versions, key=lambda v: int(v.version))
     tags = v.tags
     assert tags["workload"] == workload and tags["target_fingerprint"] == head.fingerprint
-    assert int(tags["records_consumed"]) > 0 and f"tide.hidden.{workload}:" in tags["offset_range"]
+    assert int(tags["records_consumed"]) > 0 and f"{topic_for(workload)}:" in tags["offset_range"]
     # the artifact is the draft folder with both exports, and the tags hold each file's sha256
     local = Path(
         client.download_artifacts(str(v.run_id), str(v.source).split("/", 2)[2], str(tmp_path / "dl"))
@@ -167,11 +167,9 @@ def test_sigkill_loses_nothing_and_trains_nothing_twice(
     assert after.ledger.steps > before.ledger.steps
 
     # rewind the trainer's committed offsets: every record comes again, is recognised, and is not trained
-    group = f"tide-trainer.{workload}"
+    group = trainer_group(workload)
     rewind = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": group})
-    rewind.commit(
-        offsets=[TopicPartition(f"tide.hidden.{workload}", p, 0) for p in range(3)], asynchronous=False
-    )
+    rewind.commit(offsets=[TopicPartition(topic_for(workload), p, 0) for p in range(3)], asynchronous=False)
     rewind.close()
     assert _train_process(kafka, workload, state, trained_draft_dir, log).wait(300) == 0, log.read_text()[
         -3000:

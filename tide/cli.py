@@ -11,7 +11,13 @@ from pathlib import Path
 import torch
 import typer
 
-from tide.config import DTYPE_HELP, default_draft_dir, give_freed_tensors_back, parse_dtype
+from tide.config import (
+    DTYPE_HELP,
+    bound_kernel_cache,
+    default_draft_dir,
+    give_freed_tensors_back,
+    parse_dtype,
+)
 from tide.prompts import Prompt
 
 app = typer.Typer(
@@ -181,6 +187,7 @@ def train_online(
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """Train a workload's draft from its Kafka topic; publish candidates to MLflow."""
+    bound_kernel_cache()
     import signal
     import threading
     from dataclasses import asdict
@@ -393,6 +400,7 @@ def gate(
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """The acceptance gate: promote a candidate to `champion` only if it beats what serves now."""
+    bound_kernel_cache()
     from tide.config import cache_dir
     from tide.models.loader import load_head
     from tide.producers.records import HeldOutWindow

@@ -32,6 +32,7 @@ from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.infra.process import LocalService, log_tail, stop_group, wait_http_ok
 from tide.infra.s3.server import S3Server
+from tide.names import MODEL_PREFIX, model_name, topic_for, trainer_group
 
 log = logging.getLogger("tide.stack")
 
@@ -257,14 +258,17 @@ class Stack:
 
         from tide.config import default_draft_dir
         from tide.models.loader import load_head
-        from tide.registry.store import CHAMPION, alias_version, model_name, register_folder
+        from tide.registry.store import CHAMPION, alias_version, register_folder
+        from tide.registry.tags import source_tags
 
         fp = load_head(self.cfg.model).fingerprint
         folder = self.cfg.draft or default_draft_dir(fp)
         client = MlflowClient(self.registry)
         if alias_version(client, model_name(fp, "default"), CHAMPION) is None:
             with as_account(self.role_env.get("trainer", {})):
-                mv = register_folder(client, fp, "default", folder, {"source": "tide up: the starting draft"})
+                mv = register_folder(
+                    client, fp, "default", folder, source_tags("tide up: the starting draft")
+                )
             client.set_registered_model_alias(mv.name, CHAMPION, mv.version)
 
     def trainer_state_dir(self, workload: str) -> Path:
@@ -397,7 +401,7 @@ def status(state_file: Path) -> list[dict[str, Any]]:
     rows.append({"part": "mlflow", "state": "up" if mlflow_up else "down", "detail": f"UI {state['mlflow']}"})
     workloads = state["config"]["workloads"]
     try:
-        lags = {w: _lag(state["kafka"], f"tide-trainer.{w}", f"tide.hidden.{w}") for w in workloads}
+        lags = {w: _lag(state["kafka"], trainer_group(w), topic_for(w)) for w in workloads}
         rows.append({"part": "kafka", "state": "up", "detail": state["kafka"]})
     except Exception as e:  # a broker that is away: no lag to show
         lags = {}
@@ -432,7 +436,7 @@ def _champions(url: str) -> list[dict[str, Any]]:
 
     client = MlflowClient(url)
     rows = []
-    for rm in client.search_registered_models("name LIKE 'tide-draft-%'"):
+    for rm in client.search_registered_models(f"name LIKE '{MODEL_PREFIX}%'"):
         workload = (rm.tags or {}).get("workload", rm.name)
         try:
             mv = client.get_model_version_by_alias(rm.name, "champion")

@@ -39,6 +39,7 @@ from confluent_kafka.admin import AdminClient
 
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead
+from tide.names import trainer_group
 from tide.producers.assembler import RequestAssembler, record_key
 from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HeldOutWindow, HiddenStateRecord, TargetShape
@@ -287,7 +288,7 @@ class OnlineTrainer:
         self.publish = publish
         self.log_metrics = log_metrics
         self._losses: list[float] = []
-        self.group = f"tide-trainer.{cfg.workload}"
+        self.group = trainer_group(cfg.workload)
         claim_workload(cfg.bootstrap, self.group)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.lm_head = head.lm_head.to(self.device)

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from tide.prompts import Prompt, load_prompts
+from tide.registry.tags import VersionTags, source_tags
 
 log = logging.getLogger("tide.bench")
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -241,14 +242,14 @@ class Watcher:
 def _cause(tags: dict[str, str]) -> str:
     if INJECTED_TAG in tags:
         return f"by hand: {tags[INJECTED_TAG]}"
-    recalls = [k for k in tags if k.startswith("gate.recall")]
-    if recalls:
-        return f"gate recall: {tags.get('gate.recall.reason', '')}".strip()
-    if any(k.startswith("rollback.") for k in tags):
+    read = VersionTags.from_tags(tags)
+    if read.recall is not None:
+        return f"gate recall: {read.recall.reason}".strip()
+    if read.rollback is not None:
         return "node rollback"
-    if tags.get("gate.decision") == "promoted":
-        return f"gate: {tags.get('gate.reason', 'promoted')}"
-    return tags.get("source", "registered")
+    if read.verdict is not None and read.verdict.decision == "promoted":
+        return f"gate: {read.verdict.reason or 'promoted'}"
+    return read.source or "registered"
 
 
 # -- the faults ----------------------------------------------------------------------------------------
@@ -257,8 +258,8 @@ def _poison_records(bootstrap: str, workload: str, fingerprint: str, d: int, voc
     another target's fingerprint and another workload's name, written straight into the topic."""
     from confluent_kafka import Producer
 
+    from tide.names import topic_for
     from tide.producers.records import HiddenStateRecord, encode
-    from tide.producers.topics import topic_for
 
     def record(**over: Any) -> HiddenStateRecord:
         m = 8
@@ -316,7 +317,11 @@ def _bad_version(stack: Any, fingerprint: str, workload: str, kind: str, draft_d
             save_file(tensors, weights, metadata={"format": "pt"})
         with as_account(stack.role_env.get("trainer", {})):  # who can write drafts: an operator, a trainer
             mv = register_folder(
-                client, fingerprint, workload, folder, {INJECTED_TAG: kind, "source": "tide bench faults"}
+                client,
+                fingerprint,
+                workload,
+                folder,
+                {INJECTED_TAG: kind, **source_tags("tide bench faults")},
             )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -406,9 +411,9 @@ def _topic_keys(
     ("topic:partition@offset"), and how many were not usable."""
     from confluent_kafka import Consumer, TopicPartition
 
+    from tide.names import topic_for
     from tide.producers.assembler import record_key
     from tide.producers.records import RecordError, decode
-    from tide.producers.topics import topic_for
 
     topic = topic_for(workload)
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"faults-audit-{time.time_ns()}",
@@ -453,8 +458,8 @@ def _percentiles(xs: list[float]) -> dict[str, float | None]:
 def run_faults_bench(cfg: FaultsBenchConfig) -> dict[str, Any]:
     from tide.config import default_draft_dir
     from tide.models.loader import load_head
+    from tide.names import model_name
     from tide.producers.records import TargetShape
-    from tide.registry.store import model_name
     from tide.stack import Stack, StackConfig
 
     work = cfg.work_dir or Path(tempfile.mkdtemp(prefix="tide-bench-faults-"))
@@ -594,11 +599,11 @@ def _offset(where: str) -> int:
 
 
 def _lag(bootstrap: str, workload: str) -> int | None:
-    from tide.producers.topics import topic_for
+    from tide.names import topic_for, trainer_group
     from tide.stack import _lag as group_lag
 
     try:
-        return group_lag(bootstrap, f"tide-trainer.{workload}", topic_for(workload))
+        return group_lag(bootstrap, trainer_group(workload), topic_for(workload))
     except Exception:
         return None
 

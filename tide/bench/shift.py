@@ -38,6 +38,7 @@ from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.producers.records import is_held_out
 from tide.prompts import load_prompts, split
 from tide.registry.store import CHAMPION, register_folder
+from tide.registry.tags import VersionTags
 from tide.serving.capture import CaptureDecision, CapturePolicy, CaptureRule, TrainingAdvisor
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.draft_sync import DraftSync, SyncConfig
@@ -272,7 +273,7 @@ def _run(
                             "reading version %s's tags failed, trying again: %s", following.version, e
                         )
                         continue
-                    if kind == "promotion" and "gate.recall.time" in tags:
+                    if kind == "promotion" and VersionTags.from_tags(tags).recall is not None:
                         kind = "recall"  # the gate brought an earlier champion back
                     version = following.version
                     events.append({"t": time.perf_counter() - t0, kind: version, "phase": phase})

@@ -27,7 +27,8 @@ from tide.producers.tap import TapEvent
 from tide.prompts import load_prompts, split
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.cost_model import measure_profile
-from tide.serving.engine import DraftStats, Engine, EngineConfig, StepTiming
+from tide.serving.drafts import DraftStats
+from tide.serving.engine import Engine, EngineConfig, StepTiming
 from tide.serving.sampling import SamplingParams
 
 

@@ -25,13 +25,15 @@ from tqdm import tqdm
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.eagle3 import DraftConfig, Eagle3Draft
 from tide.models.loader import load_target
+from tide.names import topic_for
 from tide.producers.consumer import RecordConsumer
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.producers.records import is_held_out
 from tide.producers.topics import TopicConfig
 from tide.prompts import load_prompts
-from tide.serving.engine import Engine, EngineConfig, Sequence
+from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
+from tide.serving.sequence import Sequence
 from tide.trainers.checkpoint import save_examples
 from tide.trainers.online import example_of
 from tide.trainers.ttt import Example, TrainConfig, Trainer, init_draft_head, select_vocab
@@ -59,7 +61,7 @@ def _topic_bytes(log_dir: Path) -> int:
     """Disk blocks the workload topic's partitions hold (index files are sparse: size would overstate)."""
     return sum(
         p.stat().st_blocks * 512
-        for d in log_dir.glob(f"tide.hidden.{WORKLOAD}-*")
+        for d in log_dir.glob(f"{topic_for(WORKLOAD)}-*")
         for p in d.rglob("*")
         if p.is_file()
     )
