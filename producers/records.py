@@ -182,14 +182,14 @@ def _dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str) -> torch.T
     return (values.reshape(m, n // GROUP, GROUP) * scales.float().unsqueeze(-1)).reshape(m, n)
 
 
-def _encode_tensor(name: str, x: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
+def encode_tensor(name: str, x: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
     if codec == "bf16" or x.shape[-1] % GROUP:
         return {name: x.to(torch.bfloat16).contiguous()}
     q = _quantize(x, codec)
     return {f"{name}.codes": q["codes"].contiguous(), f"{name}.scales": q["scales"].contiguous()}
 
 
-def _decode_tensor(t: dict[str, torch.Tensor], name: str, codec: str) -> torch.Tensor:
+def decode_tensor(t: dict[str, torch.Tensor], name: str, codec: str) -> torch.Tensor:
     if name in t:
         return t[name]
     return _dequantize(t[f"{name}.codes"], t[f"{name}.scales"], codec).to(torch.bfloat16)
@@ -202,8 +202,8 @@ def encode(record: HiddenStateRecord, codec: str = "int8-g64", zstd: bool = True
     tensors = {
         "tokens": record.tokens.to(torch.int32).contiguous(),
         "prefill": record.prefill.to(torch.uint8).contiguous(),
-        **_encode_tensor("aux", record.aux, codec),
-        **_encode_tensor("hidden", record.hidden, codec),
+        **encode_tensor("aux", record.aux, codec),
+        **encode_tensor("hidden", record.hidden, codec),
     }
     meta = {
         "schema": SCHEMA_VERSION,
@@ -291,8 +291,8 @@ def decode(
             raise ValueError(f"unknown codec {codec!r}")
         record = HiddenStateRecord(
             tokens=tensors["tokens"].long(),
-            aux=_decode_tensor(tensors, "aux", codec),
-            hidden=_decode_tensor(tensors, "hidden", codec),
+            aux=decode_tensor(tensors, "aux", codec),
+            hidden=decode_tensor(tensors, "hidden", codec),
             prefill=tensors["prefill"].bool(),
             target_fingerprint=meta["target_fingerprint"],
             draft_version=meta["draft_version"],

@@ -184,6 +184,17 @@ def register_folder(
     return mv
 
 
+def ensure_champion(
+    client: MlflowClient, fingerprint: str, workload: str, folder: Path, tags: dict[str, str]
+) -> ModelVersion | None:
+    """Register `folder` as the workload's first champion, unless it has one; the new version, or None."""
+    if alias_version(client, model_name(fingerprint, workload), CHAMPION) is not None:
+        return None
+    mv = register_folder(client, fingerprint, workload, folder, tags)
+    move_alias(client, mv.name, CHAMPION, None, str(mv.version))
+    return mv
+
+
 class AliasMoved(RuntimeError):
     """An alias no longer points where its mover read it: someone else acted in between."""
 

@@ -35,8 +35,8 @@ from tide.trainers.online import (
     grown_vocab,
     keep_recent,
     refit_vocab,
-    replay_batch,
 )
+from tide.trainers.replay import ReplayBuffer
 from tide.trainers.ttt import Example, TrainConfig, Trainer, evaluate, select_vocab
 
 BATCH = OnlineConfig.batch_size
@@ -63,7 +63,7 @@ def curve(
         )
     )
     since_fit, refits, fitted = 0, 1, completion_positions(new[: warm + 1])
-    replay = list(old)
+    replay = ReplayBuffer(OnlineConfig.replay_size, old)
     report = 8
     while n < len(new):
         fresh = new[n : n + BATCH]
@@ -80,11 +80,11 @@ def curve(
                 trainer = fit(ids)
                 trainer.steps, refits = steps, refits + 1
                 fitted = completion_positions(earlier + window)
-        trainer.step(fresh + random.sample(replay, min(len(fresh), len(replay))))
-        replay = (replay + fresh)[-OnlineConfig.replay_size :]
+        trainer.step(fresh + replay.sample(len(fresh)))
+        replay.extend(fresh)
         n += len(fresh)
         for _ in range(replay_steps):
-            trainer.step(replay_batch(replay, BATCH, recent))
+            trainer.step(replay.batch(BATCH, recent))
         if n >= report or n >= len(new):
             tau = evaluate(draft.eval(), head.lm_head, held, cfg).tau
             draft.train()

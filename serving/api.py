@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,17 +27,13 @@ from prometheus_client.registry import Collector
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tide.config import default_draft_dir
-from tide.models.eagle3 import Eagle3Draft
-from tide.models.loader import Target, load_target
-from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.models.loader import load_target
 from tide.serving.admin import admin_router
-from tide.serving.capture import CapturePolicy, TrainingAdvisor
-from tide.serving.controller import ControllerConfig, build_controller
-from tide.serving.draft_sync import DraftSync, SyncConfig
-from tide.serving.engine import Engine, EngineConfig
+from tide.serving.capture import CapturePolicy
+from tide.serving.engine import Engine
 from tide.serving.engine_loop import Delta, EngineLoop, QueueFull
 from tide.serving.metrics import ServingMetrics
+from tide.serving.node import NodeConfig, ServingNode, load_start_draft
 from tide.serving.protocol import ChatRequest, CompletionRequest, describe, error_response
 from tide.serving.sequence import Sequence
 
@@ -63,35 +58,12 @@ class _BadRequest(Exception):
 
 
 def build_app(
-    model: str | None,
-    draft: str | None,
-    dtype: torch.dtype,
-    cfg: EngineConfig,
-    server: ServerConfig,
-    kafka: PublisherConfig | None = None,
-    registry: SyncConfig | None = None,
-    adaptive: ControllerConfig | None = None,
+    model: str | None, draft: str | None, dtype: torch.dtype, node: NodeConfig, server: ServerConfig
 ) -> FastAPI:
-    """The server as `tide serve` runs it; with `kafka`, tapped hidden states are published there;
-    with `registry`, each workload's champion draft is followed; with `adaptive`, the controller
-    chooses gamma."""
+    """The server as `tide serve` runs it."""
     target = load_target(model, dtype)
-    draft_dir = Path(draft) if draft else default_draft_dir(target.fingerprint)
-    head = None
-    if (cfg.gamma > 0 or adaptive is not None) and (draft or (draft_dir / "model.safetensors").exists()):
-        head = Eagle3Draft.load(
-            draft_dir, target.model.embed_tokens, target.config, target.fingerprint, dtype
-        )
-        log.info("draft %s loaded from %s", head.cfg.version, draft_dir)
-    else:
-        log.warning("no draft: serving without speculation (train one with `tide draft ensure-default`)")
-    publisher = RecordPublisher(kafka, target.fingerprint) if kafka is not None else None
-    controller = None
-    if adaptive is not None:  # step times measured here and now, at a few batch sizes (seconds)
-        controller = build_controller(target.model, head, adaptive, cfg.max_batch)
-    engine = Engine(target, head, cfg, tap=publisher, controller=controller)
-    sync = DraftSync(registry, engine) if registry is not None else None
-    return make_app(target, engine, server, publisher, sync)
+    start = load_start_draft(target, draft, dtype) if node.engine.gamma > 0 or node.adaptive else None
+    return make_app(ServingNode.build(target, start, node), server)
 
 
 async def _read_body(request: Request, limit: int) -> Any:
@@ -256,31 +228,20 @@ class Generation:
             yield "data: [DONE]\n\n"
 
 
-def make_app(
-    target: Target,
-    engine: Engine,
-    server: ServerConfig | None = None,
-    publisher: RecordPublisher | None = None,
-    sync: DraftSync | None = None,
-) -> FastAPI:
+def make_app(node: ServingNode, server: ServerConfig | None = None) -> FastAPI:
     server = server or ServerConfig()
-    metrics = ServingMetrics(engine, publisher, sync, server.capture)
-    controller = engine.controller
-    if controller is not None:  # `auto` capture rules: capture while the workload needs training
-        server.capture.advisor = TrainingAdvisor(controller, sync)
+    target, engine = node.target, node.engine
+    metrics = ServingMetrics(engine, node.publisher, node.sync, server.capture)
+    node.advise(server.capture)
     loop = EngineLoop(engine, metrics, server.max_queue)
     tok = target.tok
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if sync is not None:
-            sync.start()
+        node.start()
         yield
-        if sync is not None:
-            sync.stop()
         loop.stop()
-        if publisher is not None:
-            publisher.close()
+        node.stop()
 
     app = FastAPI(title="TIDE", lifespan=lifespan)
     app.state.engine_loop = loop

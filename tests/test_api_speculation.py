@@ -13,6 +13,7 @@ from tide.producers.tap import TapEvent
 from tide.serving.api import ServerConfig, make_app
 from tide.serving.capture import CapturePolicy, CaptureRule
 from tide.serving.engine import Engine, EngineConfig
+from tide.serving.node import ServingNode
 from tide.serving.sampling import SamplingParams
 
 PROMPT = "def is_prime(n):"
@@ -54,7 +55,9 @@ def test_stop_and_max_tokens_inside_accepted_bursts_cut_exactly(target_fp32, tra
     assert len(inside) >= 3, f"too few accepted drafts to test with: bursts end at {sorted(ends)}"
 
     body = {"model": "tide", "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
-    with TestClient(make_app(target_fp32, _spec_engine(target_fp32, trained_draft_dir))) as client:
+    with TestClient(
+        make_app(ServingNode(target_fp32, _spec_engine(target_fp32, trained_draft_dir)))
+    ) as client:
         for k in inside[:4]:
             r = client.post("/v1/completions", json={**body, "max_tokens": k}).json()
             assert r["usage"]["completion_tokens"] == k and r["choices"][0]["finish_reason"] == "length"
@@ -91,7 +94,7 @@ def test_capture_follows_the_header_and_the_workload_policy(target_native) -> No
     policy = CapturePolicy()
     policy.set("quiet", CaptureRule(enabled=False))
     body = {"model": "tide", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
-    with TestClient(make_app(target_native, engine, ServerConfig(capture=policy))) as client:
+    with TestClient(make_app(ServingNode(target_native, engine), ServerConfig(capture=policy))) as client:
         ids = {}
         for name, headers in {
             "captured": {"X-Tide-Workload": "news"},

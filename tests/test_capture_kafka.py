@@ -24,6 +24,7 @@ from tide.producers.records import HiddenStateRecord, encode
 from tide.producers.topics import TopicConfig, ensure_topic
 from tide.serving.api import make_app
 from tide.serving.engine import Engine, EngineConfig
+from tide.serving.node import ServingNode
 from tide.serving.sampling import SamplingParams
 
 from .conftest import serve_process, tiny_target
@@ -185,7 +186,7 @@ def test_broker_outage_drops_records_never_requests(target_native: Target, tmp_p
                 ids.append(r.json()["id"].split("-", 1)[1])
             return ids
 
-        with TestClient(make_app(target_native, engine, publisher=publisher)) as client:
+        with TestClient(make_app(ServingNode(target_native, engine, publisher))) as client:
             before = burst(client, 3)
             publisher.flush()
             assert publisher.stats.records_published == 3 and publisher.stats.records_failed == 0

@@ -108,7 +108,8 @@ def test_compose_credentials_per_role(services: dict[str, dict[str, Any]], made:
 
     assert holders(made.TIDE_POSTGRES_PASSWORD) == {"postgres", "mlflow"}
     assert holders(made.TIDE_S3_ROOT_SECRET_KEY) == {"s3", "s3-accounts", "s3-bucket"}
-    assert holders(made.TIDE_S3_TRAINER_SECRET_KEY) == {"s3-accounts", "mlflow", "trainer"}
+    # the draft job registers the first champion: it writes artifacts as trainers do
+    assert holders(made.TIDE_S3_TRAINER_SECRET_KEY) == {"s3-accounts", "mlflow", "trainer", "draft"}
     assert holders(made.TIDE_S3_SERVING_SECRET_KEY) == {"s3-accounts", "serving", "serving-gpu", "gate"}
     for name in ("serving", "serving-gpu"):
         assert services[name]["environment"]["AWS_ACCESS_KEY_ID"] == made.TIDE_S3_SERVING_ACCESS_KEY

@@ -27,6 +27,7 @@ from tide.models.loader import Target
 from tide.producers.tap import TapEvent
 from tide.serving.api import make_app
 from tide.serving.engine import Engine, EngineConfig
+from tide.serving.node import ServingNode
 from tide.serving.sampling import SamplingParams
 from tide.serving.sequence import Sequence
 
@@ -178,7 +179,7 @@ def test_hostile_sampling_values_are_refused_at_admission(target: Target) -> Non
 # -- the HTTP server ---------------------------------------------------------------------------------
 @pytest.fixture
 def client(target: Target) -> Iterator[TestClient]:
-    with TestClient(make_app(target, _engine(target))) as c:
+    with TestClient(make_app(ServingNode(target, _engine(target)))) as c:
         yield c
 
 
@@ -280,7 +281,10 @@ def test_a_request_failing_in_a_step_gets_500_and_its_batch_neighbour_200(target
     engine.step = held_step
     innocent = {"model": "tide", "prompt": INNOCENT, "max_tokens": 24, "ignore_eos": True, "temperature": 0}
     hostile = {**innocent, "prompt": [1, 2, POISON]}
-    with TestClient(make_app(target, engine)) as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with (
+        TestClient(make_app(ServingNode(target, engine))) as c,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
         first = pool.submit(c.post, "/v1/completions", json=innocent)
         second = pool.submit(c.post, "/v1/completions", json=hostile)
         deadline = time.monotonic() + 60
@@ -351,7 +355,7 @@ def test_a_failing_workload_draft_reverts_to_the_default_one(target: Target) -> 
 
 def test_health_says_degraded_after_a_revert(target: Target) -> None:
     engine = _engine(target, _broken(target, "raises"), gamma=3)
-    with TestClient(make_app(target, engine)) as c:
+    with TestClient(make_app(ServingNode(target, engine))) as c:
         assert c.get("/health").json()["status"] == "ok"
         body = {"model": "tide", "prompt": INNOCENT, "max_tokens": 12, "ignore_eos": True, "temperature": 0}
         r = c.post("/v1/completions", json=body)

@@ -24,6 +24,7 @@ from tide.producers.topics import TopicConfig
 from tide.serving.api import ServerConfig, make_app
 from tide.serving.capture import CapturePolicy, WorkloadSet
 from tide.serving.engine import Engine, EngineConfig
+from tide.serving.node import ServingNode
 from tide.serving.sampling import SamplingParams
 
 from .conftest import tiny_target
@@ -50,7 +51,7 @@ def test_made_up_workload_names_make_no_state_past_the_cap(target_native: Target
     server = ServerConfig(capture=CapturePolicy(workloads=WorkloadSet(cap=3)))
     body = {"model": "tide", "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
     names = [f"made-up-{i}" for i in range(12)]
-    with TestClient(make_app(target_native, engine, server)) as client:
+    with TestClient(make_app(ServingNode(target_native, engine), server)) as client:
         for name in names:
             r = client.post("/v1/completions", json=body, headers={"X-Tide-Workload": name})
             assert r.status_code == 200, r.text

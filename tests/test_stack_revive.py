@@ -74,3 +74,28 @@ def test_a_part_that_cannot_start_is_given_up_on(stack: Stack, monkeypatch: pyte
             stack.revive()
             time.sleep(0.05)
     assert stack.parts[0].crashes == tide.stack.MAX_CRASHES - 1
+
+
+def test_parts_that_wait_on_a_job_start_when_it_ends_well(stack: Stack) -> None:
+    """`tide up` on a machine without a draft: the trainers start once the draft job has made one."""
+    stack._spawn("draft", "trainer", ["0.3"], job=True, then=[("trainer:code", "trainer", ["600"])])
+    assert stack.finish_jobs() == [] and stack.revive() == []  # still running: nothing waits less
+    deadline = time.monotonic() + 30
+    while not (started := stack.finish_jobs()):
+        assert time.monotonic() < deadline, "the job did not end"
+        assert stack.revive() == []  # a job that ended well is not started again
+        time.sleep(0.1)
+    assert started == ["trainer:code"]
+    (trainer,) = stack.parts
+    assert trainer.name == "trainer:code" and trainer.args == ["600"] and not trainer.job
+
+
+def test_a_job_that_fails_runs_again_and_keeps_what_waits_on_it(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tide.stack, "MAX_BACKOFF", 0.0)
+    stack._spawn("draft", "trainer", ["not-a-number"], job=True, then=[("trainer:code", "trainer", ["600"])])
+    stack.parts[0].proc.wait()
+    assert stack.finish_jobs() == [] and stack.revive() == ["draft"]
+    (again,) = stack.parts
+    assert again.job and again.then == [("trainer:code", "trainer", ["600"])] and again.crashes == 1

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tide.trainers.online import grown_vocab, keep_recent, newest_uncovered, replay_batch, turned_over
+from tide.trainers.online import grown_vocab, keep_recent, newest_uncovered, turned_over
+from tide.trainers.replay import ReplayBuffer
 from tide.trainers.ttt import Example, select_vocab
 
 
@@ -40,12 +41,35 @@ def test_keep_recent_follows_the_traffic_of_the_last_seconds() -> None:
 
 def test_replay_leans_on_the_newest_examples() -> None:
     # 1,000 examples of an old workload, then 50 of a new one: a twentieth of the buffer
-    buffer = [_example([0] * 4) for _ in range(1000)] + [_example([1] * 4) for _ in range(50)]
-    drawn = [int(e.tokens[0]) for _ in range(200) for e in replay_batch(buffer, 4, 64)]
+    examples = [_example([0] * 4) for _ in range(1000)] + [_example([1] * 4) for _ in range(50)]
+    buffer = ReplayBuffer(2000, examples)
+    drawn = [int(e.tokens[0]) for _ in range(200) for e in buffer.batch(4, 64)]
     assert len(drawn) == 1600
     share = sum(drawn) / len(drawn)  # the newest 64 hold all 50 new ones: half of 50/64, plus 50/1050
     assert 0.36 < share < 0.46, share
-    assert len(replay_batch(buffer[:3], 4, 64)) == 6  # a small buffer: what there is
+    assert len(ReplayBuffer(2000, examples[:3]).batch(4, 64)) == 6  # a small buffer: what there is
+    assert len(ReplayBuffer(100, examples)) == 100  # the oldest go
+
+
+def test_the_replay_buffer_keeps_states_at_half_their_size() -> None:
+    torch.manual_seed(0)
+    n, d = 40, 128
+    ex = Example.make(
+        torch.arange(n), torch.randn(n, 3 * d).bfloat16(), torch.randn(n, d).bfloat16(), None, 5, 7.0
+    )
+    buffer = ReplayBuffer(10, [ex])
+    (back,) = buffer.examples()
+    assert back.tokens.equal(ex.tokens) and (back.learn_from, back.created_at) == (5, 7.0)
+    for a, b in ((back.aux, ex.aux), (back.hidden, ex.hidden)):
+        # int8 codes, one scale per 64 values: off by at most half a step of the group's largest
+        # value, plus the rounding of the rebuilt value to bf16
+        g = b.float().reshape(n, -1, 64)
+        step = g.abs().amax(-1, keepdim=True) / 127
+        assert ((a.float().reshape(n, -1, 64) - g).abs() <= step * 0.51 + g.abs() / 128 + 1e-6).all()
+    kept = sum(t.nbytes for t in buffer._kept[0].states.values())
+    assert kept < 0.53 * (ex.aux.nbytes + ex.hidden.nbytes)
+    (bare,) = buffer.bare()
+    assert bare.aux.numel() == 0 and bare.tokens.equal(ex.tokens)
 
 
 def test_vocabulary_after_a_shift_keeps_older_words_as_filler() -> None:

@@ -18,6 +18,7 @@ from tide.config import (
     give_freed_tensors_back,
     parse_dtype,
 )
+from tide.models.loader import Target
 from tide.prompts import Prompt
 
 app = typer.Typer(
@@ -128,17 +129,39 @@ def _interleave(items: list[Prompt], files: int) -> list[Prompt]:
 def draft_ensure_default(
     budget_minutes: float = typer.Option(12.0, "--budget-minutes"),
     model: str | None = typer.Option(None, "--model"),
+    register: str | None = typer.Option(
+        None,
+        "--register",
+        help="MLflow tracking URI: make it the `default` workload's champion, unless one is",
+    ),
 ) -> None:
     """Train the default draft from the shipped workloads once; later calls find it cached."""
-    from tide.bootstrap import BootstrapConfig, bootstrap
     from tide.models.loader import load_target
-    from tide.prompts import load_prompts, split
 
     target = load_target(model)
     out = default_draft_dir(target.fingerprint)
     if (out / "model.safetensors").exists():
         typer.echo(f"default draft present: {out}")
-        return
+    else:
+        _train_default_draft(target, out, budget_minutes)
+    if register:
+        from mlflow import MlflowClient
+
+        from tide.registry.store import ensure_champion
+        from tide.registry.tags import source_tags
+
+        mv = ensure_champion(
+            MlflowClient(register), target.fingerprint, "default", out, source_tags("the default draft")
+        )
+        typer.echo(
+            f"champion of `default`: version {mv.version}" if mv else "`default` already has a champion"
+        )
+
+
+def _train_default_draft(target: Target, out: Path, budget_minutes: float) -> None:
+    from tide.bootstrap import BootstrapConfig, bootstrap
+    from tide.prompts import load_prompts, split
+
     items = []
     for name in DEFAULT_WORKLOADS:
         items += split(load_prompts(WORKLOADS / f"{name}.jsonl"), "train")
@@ -315,6 +338,7 @@ def serve(
     from tide.serving.api import ServerConfig, build_app
     from tide.serving.capture import CapturePolicy, WorkloadSet, parse_rules
     from tide.serving.controller import ControllerConfig
+    from tide.serving.node import NodeConfig
 
     if codec not in CODECS:
         raise typer.BadParameter(f"choose one of {', '.join(CODECS)}", param_hint="--codec")
@@ -357,15 +381,17 @@ def serve(
             model,
             draft,
             _dtype(dtype),
-            EngineConfig(
-                max_batch=max_batch, max_model_len=max_model_len, gamma=fixed_gamma, max_gamma=max_gamma
+            NodeConfig(
+                EngineConfig(
+                    max_batch=max_batch, max_model_len=max_model_len, gamma=fixed_gamma, max_gamma=max_gamma
+                ),
+                PublisherConfig(kafka, codec, chunk_positions) if kafka else None,
+                sync,
+                ControllerConfig(max_gamma=max_gamma, min_gain=min_gain) if adaptive else None,
             ),
             ServerConfig(
                 admin_token=admin_token, max_queue=max_queue, max_body_bytes=max_body_bytes, capture=policy
             ),
-            PublisherConfig(kafka, codec, chunk_positions) if kafka else None,
-            sync,
-            ControllerConfig(max_gamma=max_gamma, min_gain=min_gain) if adaptive else None,
         )
     uvicorn.run(api, host=host, port=port, log_level="info")
 
@@ -452,6 +478,9 @@ def up(
     ),
     train_args: str = typer.Option("", "--train-args", help="more `tide train` flags for every trainer"),
     gate_args: str = typer.Option("", "--gate-args", help="more `tide gate` flags"),
+    draft_args: str = typer.Option(
+        "", "--draft-args", help="more `tide draft ensure-default` flags (the first run's draft job)"
+    ),
 ) -> None:
     """The whole loop on this machine: Kafka, MLflow, trainers, the gate and a serving node. Ctrl-C stops it."""
     import shlex
@@ -472,7 +501,7 @@ def up(
             raise typer.BadParameter(str(e), param_hint="--workloads") from None
     extra: dict[str, list[str]] = {}
     for part, flags, hint in (("serve", serve_args, "--serve-args"), ("train", train_args, "--train-args"),
-                              ("gate", gate_args, "--gate-args")):  # fmt: skip
+                              ("gate", gate_args, "--gate-args"), ("draft", draft_args, "--draft-args")):  # fmt: skip
         try:
             extra[part] = shlex.split(flags)
         except ValueError as e:  # an unclosed quote
@@ -491,16 +520,19 @@ def up(
     try:
         with tqdm(stack.steps(), desc="tide up", unit="part") as bar:
             for step in bar:
-                bar.set_postfix_str(
-                    f"starting {step}" + (" (first time: trains for ~12 min)" if step == "draft" else "")
-                )
+                bar.set_postfix_str(f"starting {step}")
                 stack.start_step(step)
         typer.echo(f"HTTP endpoint: {stack.endpoint}/v1  (OpenAI-compatible, model 'tide')")
         typer.echo(f"MLflow UI:     {stack.registry}")
         typer.echo(
             f"logs:          {cfg.data_dir / 'logs'}   (`tide status` shows each part; Ctrl-C stops them all)"
         )
+        if not stack.has_champion:
+            typer.echo("no draft yet: serving without speculation while the default draft trains (first time: "
+                       "~12 min); it arrives through the registry, and the trainers start from it")  # fmt: skip
         while True:  # what dies starts again: a lost part degrades the loop, it never stops serving
+            for name in stack.finish_jobs():
+                typer.echo(f"{name} started: the first draft is ready")
             for name in stack.revive():
                 typer.echo(f"{name} had stopped: started again", err=True)
             time.sleep(1.0)

@@ -1,8 +1,11 @@
 """`tide up`: the whole loop on one machine, nothing installed by hand; `tide status`: how it does.
 
 `tide up` starts a Kafka broker (Maven jars), an MLflow server (sqlite; artifacts in a folder, or in
-a local S3 server with `--s3`), the default draft (trained once, then cached), a trainer per
-workload, the gate and a serving node. Every part runs in its own process and session, so Ctrl-C
+a local S3 server with `--s3`), the gate and a serving node, which answers at once. The first draft
+arrives through the loop: the starting draft (`--draft`, else the cached default draft) is the
+`default` workload's first champion; on a machine without one, a job of the stack trains the
+default draft (once, then cached) and registers it, the node swaps it in from the registry, and the
+trainers (one per workload) start from it. Every part runs in its own process and session, so Ctrl-C
 reaches `tide up` alone, which stops them all, newest first. Where everything listens is written to
 `<data>/stack.json`, which `tide status` reads.
 
@@ -48,7 +51,7 @@ class StackConfig:
     draft: Path | None = None  # default: the default draft, trained once from the shipped workloads
     model: str | None = None
     # more flags for the parts' commands, after the stack's own (a flag given again wins):
-    # {"serve": [...], "train": [...], "gate": [...]}
+    # {"serve": [...], "train": [...], "gate": [...], "draft": [...]}
     extra: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -130,6 +133,10 @@ class Part:
     args: list[str] = field(default_factory=list)  # its `tide` command, to start it again as it was
     started: float = field(default_factory=time.monotonic)
     crashes: int = 0  # exits in a row that came soon after a start
+    job: bool = False  # runs to its end once: done when it exits 0
+    then: list[tuple[str, str, list[str]]] = field(
+        default_factory=list
+    )  # (name, role, args) to start when done
 
 
 class StackError(RuntimeError):
@@ -184,14 +191,14 @@ class Stack:
         self.mlflow: MlflowServer | None = None
         self.secrets = StackSecrets.load_or_create(secrets_path(cfg.data_dir))
         self.role_env: dict[str, dict[str, str]] = {}  # S3 mode: "trainer"/"serving" -> that account's env
+        self.has_champion = False  # the `default` workload has a draft to start from
 
     @property
     def endpoint(self) -> str:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
     def steps(self) -> list[str]:
-        return ["kafka", *(["s3"] if self.cfg.s3 else []), "mlflow", "draft", "register", "trainer", "gate",
-                "serving"]  # fmt: skip
+        return ["kafka", *(["s3"] if self.cfg.s3 else []), "mlflow", "register", "gate", "serving", "trainer"]
 
     def start_step(self, step: str) -> None:
         cfg, data = self.cfg, self.cfg.data_dir
@@ -207,17 +214,21 @@ class Stack:
             self.mlflow = MlflowServer(data / "mlflow", cfg.mlflow_port, cfg.host, s3=store, bucket=BUCKET,
                                        env=self.role_env.get("trainer", {})).start()  # fmt: skip
             self.services.append(self.mlflow)
-        elif step == "draft" and cfg.draft is None:
-            self._run_once(["draft", "ensure-default", *self._model()], "draft.log")
         elif step == "register":
-            self._register_start_draft()
+            self.has_champion = self._register_start_draft()
         elif step == "trainer":
-            for w in cfg.workloads:
-                draft = ["--start-draft", str(cfg.draft)] if cfg.draft else []
-                self._spawn(f"trainer:{w}", "trainer",
-                            ["train", "--kafka", self.bootstrap, "--workload", w, "--mlflow", self.registry,
-                             "--state-dir", str(self.trainer_state_dir(w)), *draft, *self._model(),
-                             *cfg.extra.get("train", [])])  # fmt: skip
+            draft = ["--start-draft", str(cfg.draft)] if cfg.draft else []
+            trainers = [(f"trainer:{w}", "trainer",
+                         ["train", "--kafka", self.bootstrap, "--workload", w, "--mlflow", self.registry,
+                          "--state-dir", str(self.trainer_state_dir(w)), *draft, *self._model(),
+                          *cfg.extra.get("train", [])]) for w in cfg.workloads]  # fmt: skip
+            if self.has_champion:
+                for name, role, args in trainers:
+                    self._spawn(name, role, args)
+            else:  # trainers start from the first champion: after the job that makes it
+                self._spawn("draft", "trainer", ["draft", "ensure-default", "--register", self.registry,
+                                                 *self._model(), *cfg.extra.get("draft", [])], job=True,
+                            then=trainers)  # fmt: skip
         elif step == "gate":
             self._spawn(
                 "gate",
@@ -251,25 +262,24 @@ class Stack:
         s3.grant(BUCKET, readers=[keys["serving"][0]], writers=[keys["trainer"][0]])
         self.role_env = {role: s3.env_for(*k) for role, k in keys.items()}
 
-    def _register_start_draft(self) -> None:
+    def _register_start_draft(self) -> bool:
         """The draft the stack starts from is the `default` workload's first champion, so the registry
-        (and the MLflow UI) shows what serves from the first minute."""
+        (and the MLflow UI) shows what serves. Whether there is a champion now: without a starting
+        draft on this machine, a job of the stack trains one (`start_step("trainer")`)."""
         from mlflow import MlflowClient
 
         from tide.config import default_draft_dir
         from tide.models.loader import load_head
-        from tide.registry.store import CHAMPION, alias_version, register_folder
+        from tide.registry.store import CHAMPION, alias_version, ensure_champion
         from tide.registry.tags import source_tags
 
         fp = load_head(self.cfg.model).fingerprint
         folder = self.cfg.draft or default_draft_dir(fp)
         client = MlflowClient(self.registry)
-        if alias_version(client, model_name(fp, "default"), CHAMPION) is None:
+        if (folder / "model.safetensors").exists():
             with as_account(self.role_env.get("trainer", {})):
-                mv = register_folder(
-                    client, fp, "default", folder, source_tags("tide up: the starting draft")
-                )
-            client.set_registered_model_alias(mv.name, CHAMPION, mv.version)
+                ensure_champion(client, fp, "default", folder, source_tags("tide up: the starting draft"))
+        return alias_version(client, model_name(fp, "default"), CHAMPION) is not None
 
     def trainer_state_dir(self, workload: str) -> Path:
         return self.cfg.data_dir / "trainers" / workload
@@ -287,23 +297,21 @@ class Stack:
     def _model(self) -> list[str]:
         return ["--model", self.cfg.model] if self.cfg.model else []
 
-    def _spawn(self, name: str, role: str, args: list[str]) -> None:
+    def _spawn(
+        self,
+        name: str,
+        role: str,
+        args: list[str],
+        job: bool = False,
+        then: list[tuple[str, str, list[str]]] | None = None,
+    ) -> None:
         log = self.cfg.data_dir / "logs" / f"{name.replace(':', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.role_env.get(role, {})}  # S3 mode: the role's account, never root
         with log.open("ab") as out:
             proc = subprocess.Popen([_tide(), *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)  # fmt: skip
-        self.parts.append(Part(name, proc, log, role, args))
-
-    def _run_once(self, args: list[str], log_name: str) -> None:
-        log = self.cfg.data_dir / "logs" / log_name
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as out:
-            rc = subprocess.run([_tide(), *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                check=False).returncode  # fmt: skip
-        if rc != 0:
-            raise StackError(f"`tide {' '.join(args)}` failed ({rc}):\n{log_tail(log)}")
+        self.parts.append(Part(name, proc, log, role, args, job=job, then=then or []))
 
     def _wait_serving(self, timeout: float) -> None:
         part = self.parts[-1]
@@ -340,7 +348,7 @@ class Stack:
                 revived.append(type(s).__name__)
         now = time.monotonic()
         for i, p in enumerate(self.parts):
-            if p.proc.poll() is None:
+            if p.proc.poll() is None or (p.job and p.proc.poll() == 0):  # running, or a job done
                 if p.crashes and now - p.started > QUICK_EXIT:
                     p.crashes = 0  # it has run a while: the next exit starts the count again
                 continue
@@ -349,13 +357,25 @@ class Stack:
                 raise StackError(f"{p.name} exited {crashes} times soon after starting:\n{log_tail(p.log)}")
             if now - p.started < min(MAX_BACKOFF, 2.0**crashes):
                 continue  # wait a little before starting a part that just died
-            self._spawn(p.name, p.role, p.args)
+            self._spawn(p.name, p.role, p.args, p.job, p.then)
             self.parts[i] = self.parts.pop()
             self.parts[i].crashes = crashes
             revived.append(p.name)
         if revived:
             self._write_state()
         return revived
+
+    def finish_jobs(self) -> list[str]:
+        """Jobs that ended well leave the stack, and the parts that waited on them start; their names."""
+        started = []
+        for p in [p for p in self.parts if p.job and p.proc.poll() == 0]:
+            self.parts.remove(p)
+            for name, role, args in p.then:
+                self._spawn(name, role, args)
+                started.append(name)
+        if started:
+            self._write_state()
+        return started
 
     def stop(self) -> None:
         for p in reversed(self.parts):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import random
 import shutil
 import threading
 import time
@@ -51,6 +50,7 @@ from tide.trainers.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from tide.trainers.replay import ReplayBuffer, pack
 from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, evaluate, select_vocab
 
 log = logging.getLogger("tide.trainers")
@@ -215,12 +215,6 @@ def example_of(r: HiddenStateRecord, lm_head: torch.Tensor | None) -> Example | 
     return Example.make(r.tokens[:m], r.aux, r.hidden, lm_head, max(0, learn_from), r.created_at)
 
 
-def replay_batch(buffer: list[Example], n: int, recent: int) -> list[Example]:
-    """n examples from the newest `recent` of the buffer and n from all of it."""
-    newest = buffer[-recent:]
-    return random.sample(newest, min(n, len(newest))) + random.sample(buffer, min(n, len(buffer)))
-
-
 def refit_vocab(draft: Eagle3Draft, ids: torch.Tensor, lm_head: torch.Tensor) -> None:
     """New draft vocabulary: rows the draft already had are kept, new rows start from the target's head."""
     old = {int(t): i for i, t in enumerate(draft.target_ids().tolist())}
@@ -297,7 +291,7 @@ class OnlineTrainer:
         source = resumed.draft_dir if resumed else start_draft
         self.draft = Eagle3Draft.load(source, head.embed, head.config, head.fingerprint, torch.float32)
         self.ledger = resumed.ledger if resumed else Ledger()
-        self.replay: list[Example] = resumed.replay if resumed else []
+        self.replay = ReplayBuffer(cfg.replay_size, resumed.replay if resumed else [])
         self.held_out: list[Example] = resumed.held_out if resumed else []
         self.vocab_fitted = resumed is not None
         self.trainer = self._new_trainer()
@@ -310,7 +304,7 @@ class OnlineTrainer:
         )
         self.requests = RequestAssembler()  # the draft learns each request whole, as it serves it
         self._waiting: list[Example] = []  # read before the vocabulary was refitted
-        self._recent: list[Example] = []  # the last fresh examples: the draft vocabulary's coverage
+        self._recent: list[Example] = []  # the last fresh examples, bare: the draft vocabulary's coverage
         self.published = copy.deepcopy(self.draft).eval()  # what the last candidate was, to compare with
         self.refits = 0
         self._since_refit = 0  # positions read since the vocabulary was last refitted or judged
@@ -429,27 +423,27 @@ class OnlineTrainer:
                 self._moved_at = min(e.created_at for e in self._waiting)
             self.vocab_fitted = True
             fresh, self._waiting = self._waiting, []
-        self._recent = keep_recent(self._recent + fresh, self.cfg.vocab_warmup_positions)
+        kept = [pack(e) for e in fresh]  # vocabulary decisions read tokens alone: the bare examples
+        self._recent = keep_recent(self._recent + [k.bare for k in kept], self.cfg.vocab_warmup_positions)
         self._since_refit += sum(len(ex.tokens) for ex in fresh)
         if self._vocab_stale():
             cfg = self.cfg
             moved = newest_uncovered(
                 self._recent, self.draft.t2d, cfg.refit_coverage, cfg.vocab_warmup_positions // 4
             )
-            self._refit(moved, self.replay)
+            self._refit(moved, self.replay.bare())
             self._moved_at = min(e.created_at for e in moved)
         elif self._since_refit >= self.cfg.vocab_warmup_positions:
             self._grow_vocab()
         n = self.cfg.batch_size
         for i in range(0, len(fresh), n):
             new = fresh[i : i + n]
-            old = random.sample(self.replay, min(len(new), len(self.replay)))
-            self._step(new + old)
+            self._step(new + self.replay.sample(len(new)))
             self._fresh_steps += 1
-        self.replay = (self.replay + fresh)[-self.cfg.replay_size :]
+        self.replay.add(kept)
 
     def _replay_step(self) -> None:
-        self._step(replay_batch(self.replay, self.cfg.batch_size, self.cfg.recent_examples))
+        self._step(self.replay.batch(self.cfg.batch_size, self.cfg.recent_examples))
 
     def _step(self, examples: list[Example]) -> None:
         before = self.trainer.steps
@@ -484,18 +478,18 @@ class OnlineTrainer:
         if self._moved_at is None:
             return
         newest = {id(e) for e in self._recent}
-        earlier = [e for e in self.replay if e.created_at >= self._moved_at and id(e) not in newest]
+        earlier = [e for e in self.replay.bare() if e.created_at >= self._moved_at and id(e) not in newest]
         ids = grown_vocab(
             earlier,
             self._recent,
             self.draft.t2d,
             self._fitted,
             self.head.config.vocab_size,
-            self.replay,
+            self.replay.bare(),
             self.cfg.grow_gain,
         )
         if ids is not None:
-            self._refit(earlier + self._recent, self.replay, ids)
+            self._refit(earlier + self._recent, self.replay.bare(), ids)
 
     def _refit(
         self, examples: list[Example], fill: list[Example] | None = None, ids: torch.Tensor | None = None
@@ -630,7 +624,9 @@ class OnlineTrainer:
             records=self.ledger.records - len(held),
             offsets={w: min(o, holding.get(w, o)) for w, o in self.ledger.offsets.items()},
         )
-        save_checkpoint(self.ckpt_dir, ledger, self.draft, self.trainer.opt, self.replay, self.held_out)
+        save_checkpoint(
+            self.ckpt_dir, ledger, self.draft, self.trainer.opt, self.replay.examples(), self.held_out
+        )
         self._fresh_steps = 0
         # the checkpoint holds them: a commit that fails only means records delivered again, which the
         # ledger recognises; the newest offsets are the ones to commit

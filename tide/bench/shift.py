@@ -13,6 +13,7 @@ workload only.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,15 +36,16 @@ from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
-from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.producers.publisher import PublisherConfig
 from tide.producers.records import is_held_out
 from tide.prompts import load_prompts, split
 from tide.registry.store import CHAMPION, register_folder
 from tide.registry.tags import VersionTags
-from tide.serving.capture import CaptureDecision, CapturePolicy, CaptureRule, TrainingAdvisor
-from tide.serving.controller import ControllerConfig, build_controller
-from tide.serving.draft_sync import DraftSync, SyncConfig
+from tide.serving.capture import CaptureDecision, CapturePolicy, CaptureRule
+from tide.serving.controller import ControllerConfig
+from tide.serving.draft_sync import SyncConfig
 from tide.serving.engine import Engine, EngineConfig
+from tide.serving.node import NodeConfig, ServingNode
 from tide.serving.sampling import SamplingParams
 
 WORKLOAD = "default"
@@ -212,23 +215,31 @@ def _run(
 
     nospec = System("nospec", Engine(target, None, engine_cfg(0)))
     static = System("static", Engine(target, _draft(target, cfg.static_draft), engine_cfg(cfg.static_gamma)))
+
     # TIDE's background threads (librdkafka's, the publisher's, the draft sync's) are host work on a
     # serving node with an accelerator: they start on the host's stand-in, the training core
     # (threads keep the affinity they start with); encoding records stays on the engine's thread
-    _pin(training_cores)
-    publisher = RecordPublisher(PublisherConfig(kafka.bootstrap, "int8-g64", 64), target.fingerprint)
-    _pin(serving_cores)
-    ccfg = ControllerConfig(max_gamma=6)
-    controller = build_controller(
-        target.model, _draft(target, cfg.static_draft), ccfg, cfg.max_batch, (1, cfg.max_batch)
+    @contextlib.contextmanager
+    def host_side() -> Iterator[None]:
+        _pin(training_cores)
+        try:
+            yield
+        finally:
+            _pin(serving_cores)
+
+    node_cfg = NodeConfig(
+        engine_cfg(0, 6),
+        kafka=PublisherConfig(kafka.bootstrap, "int8-g64", 64),
+        registry=SyncConfig(mlflow.url, work / "drafts", "bench", poll_seconds=5.0),
+        adaptive=ControllerConfig(max_gamma=6),
+        profile_batches=(1, cfg.max_batch),
     )
-    tide_engine = Engine(
-        target, _draft(target, cfg.static_draft), engine_cfg(0, 6), tap=publisher, controller=controller
-    )
+    node = ServingNode.build(target, _draft(target, cfg.static_draft), node_cfg, host_side)
+    assert node.publisher is not None and node.sync is not None and node.engine.controller is not None
+    publisher, sync, controller = node.publisher, node.sync, node.engine.controller
     capture = CapturePolicy({"*": CaptureRule(auto=True)})
-    sync = DraftSync(SyncConfig(mlflow.url, work / "drafts", "bench", poll_seconds=5.0), tide_engine)
-    capture.advisor = TrainingAdvisor(controller, sync)
-    tide = System("tide", tide_engine, capture)
+    node.advise(capture)
+    tide = System("tide", node.engine, capture)
     systems = [nospec, static, tide]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -249,9 +260,8 @@ def _run(
     # the controller's state after each round: why TIDE drafted (or not) in each window
     states: list[tuple[float, dict[str, Any]]] = []
     sync.poll_once()  # here, on the serving core: it measures the step times the gate is given
-    _pin(training_cores)
-    sync.start()
-    _pin(serving_cores)
+    with host_side():
+        node.start()
     t0 = time.perf_counter()
     total = cfg.phase_seconds * len(phases)
     try:
@@ -283,8 +293,7 @@ def _run(
                                     f"tide {_tokens_per_s(recent[2]) / base:.2f}x", refresh=False)  # fmt: skip
                 bar.update(int(time.perf_counter() - t0) - bar.n)
     finally:
-        sync.stop()
-        publisher.close()
+        node.stop()
         for proc in (trainer, gate):
             proc.terminate()
             proc.wait(30)

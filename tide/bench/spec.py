@@ -25,10 +25,11 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.producers.tap import TapEvent
 from tide.prompts import load_prompts, split
-from tide.serving.controller import ControllerConfig, build_controller
+from tide.serving.controller import ControllerConfig
 from tide.serving.cost_model import measure_profile
 from tide.serving.drafts import DraftStats
 from tide.serving.engine import Engine, EngineConfig, StepTiming
+from tide.serving.node import NodeConfig, ServingNode
 from tide.serving.sampling import SamplingParams
 
 
@@ -95,12 +96,17 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         ),
         "speculative": Engine(target, draft, ecfg),
         "speculative_tap": Engine(target, draft, ecfg, tap=_noop_tap),
-        "adaptive": Engine(
+        "adaptive": ServingNode.build(
             target,
             draft,
-            EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=0, max_gamma=ccfg.max_gamma),
-            controller=build_controller(target.model, draft, ccfg, cfg.batch_size, (1, cfg.batch_size)),
-        ),
+            NodeConfig(
+                EngineConfig(
+                    max_batch=cfg.batch_size, max_model_len=max_len, gamma=0, max_gamma=ccfg.max_gamma
+                ),
+                adaptive=ccfg,
+                profile_batches=(1, cfg.batch_size),
+            ),
+        ).engine,
     }
     llama = _llama_cpp(target.path, max_len) if cfg.llama_cpp and target.path.suffix == ".gguf" else None
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, ignore_eos=False)
