@@ -89,16 +89,17 @@ class CandidateTags:
 
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> CandidateTags | None:
-        """None for a version no trainer made (registered by hand, or by `tide up`)."""
+        """None for a version no trainer made (registered by hand, or by `tide up`): what marks a
+        trainer's candidate is its held-out gain."""
         try:
             return cls(
-                tags["workload"],
+                tags.get("workload", ""),
                 tags.get("target_fingerprint", ""),
                 tags.get("draft_version", ""),
                 int(tags.get("records_consumed", "0")),
                 int(tags.get("steps", "0")),
                 tags.get("offset_range", ""),
-                float(tags["held_out_tau"]),
+                float(tags.get("held_out_tau", "nan")),
                 float(tags["held_out_gain"]),
             )
         except (KeyError, ValueError):
@@ -275,6 +276,7 @@ class VersionTags:
 
     candidate: CandidateTags | None
     verdict: GateVerdict | None
+    figures: Figures | None  # the gate's, tagged before its decision is (a champion may be read between)
     recall: Recall | None
     rollback: Rollback | None
     champion_until: str | None  # when it stopped being champion (it may be recalled)
@@ -286,6 +288,7 @@ class VersionTags:
         return cls(
             CandidateTags.from_tags(tags),
             GateVerdict.from_tags(tags),
+            Figures.from_tags(tags, GATE),
             Recall.from_tags(tags),
             Rollback.from_tags(tags),
             tags.get(CHAMPION_UNTIL),
@@ -302,7 +305,7 @@ class VersionTags:
     def predicted_tau(self) -> dict[int, float]:
         """tau by gamma as the gate last measured the version: when it was recalled, if it was (that
         measurement is on more recent traffic), else when it was gated."""
-        figures = self.recall.figures if self.recall else (self.verdict.figures if self.verdict else None)
+        figures = self.recall.figures if self.recall else self.figures
         return dict(enumerate(figures.tau, start=1)) if figures else {}
 
 

@@ -137,9 +137,9 @@ class TrainingSignals(Protocol):
 
 
 class CandidateHistory(Protocol):
-    """What the registry says of a workload's candidates (the draft sync), unix seconds by workload:
-    since when its trainer stopped improving (`saturated`), and since when the gate has refused
-    what it makes while the draft pays (`outdone`)."""
+    """What the registry says of a workload's candidates (`candidate_history.RegistryCandidates`),
+    unix seconds by workload: since when its trainer stopped improving (`saturated`), and since when
+    the gate has refused what it makes while the draft pays (`outdone`)."""
 
     saturated: dict[str, float]
     outdone: dict[str, float]
@@ -252,23 +252,23 @@ class TrainingAdvisor:
     def __init__(
         self,
         controller: TrainingSignals,
-        sync: CandidateHistory | None,
+        history: CandidateHistory | None,
         clock: Callable[[], float] = time.time,
     ):
         self.controller = controller
-        self.sync = sync
+        self.history = history
         self.clock = clock  # unix seconds, as the registry dates the candidates that end training
         self.since: dict[str, float] = {}  # workloads that need training, since when
         self._needed: dict[str, bool] = {}  # the last call's verdict on the controller's signals
 
     def __call__(self, workload: str) -> bool:
         needed = self.controller.needs_training(workload)
-        done = self.sync.saturated.get(workload) if self.sync is not None else None
-        if not needed and self.sync is not None and workload in self.sync.outdone:
+        done = self.history.saturated.get(workload) if self.history is not None else None
+        if not needed and self.history is not None and workload in self.history.outdone:
             # the draft pays and the gate keeps refusing what its trainer makes: nothing to gain
-            done = max(done or 0.0, self.sync.outdone[workload])
+            done = max(done or 0.0, self.history.outdone[workload])
         # first sight: unless its trainer is known to be saturated already (or no drafts can come)
-        first = self.sync is not None and done is None and workload not in self._needed
+        first = self.history is not None and done is None and workload not in self._needed
         if (needed and not self._needed.get(workload, False)) or first:
             self.since[workload] = self.clock()
         self._needed[workload] = needed

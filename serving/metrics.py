@@ -157,7 +157,9 @@ class _SyncCollector(Collector):
         s = self.sync.stats
         yield CounterMetricFamily("tide_draft_swaps", "Registry versions swapped in", value=s.swaps)
         yield CounterMetricFamily(
-            "tide_draft_rollbacks", "Versions rolled back for falling short live", value=s.rollbacks
+            "tide_draft_rollbacks",
+            "Versions rolled back for falling short live",
+            value=self.sync.live.rollbacks,
         )
         yield CounterMetricFamily(
             "tide_registry_errors", "Registry polls or downloads that failed", value=s.registry_errors

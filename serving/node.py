@@ -72,7 +72,8 @@ class ServingNode:
         """`auto` capture rules capture while a workload needs training, as the controller and the
         registry follower judge it."""
         if self.engine.controller is not None:
-            capture.advisor = TrainingAdvisor(self.engine.controller, self.sync)
+            history = self.sync.candidates if self.sync is not None else None
+            capture.advisor = TrainingAdvisor(self.engine.controller, history)
 
     def start(self) -> None:
         if self.sync is not None:

@@ -215,7 +215,7 @@ def test_a_node_rolls_back_the_champion_only_where_it_read_it(
     # while the node measures, the gate promotes a newer version
     newer = reg.register(_saved(tmp_path / "3", tiny, version="newer"))
     reg.champion(newer)
-    sync._roll_back(reg.workload, f, 1.0, 3.0, {})
+    sync.live.roll_back(reg.workload, f, 1.0, 3.0, {})
     assert reg.alias("champion") == str(newer.version)  # not moved back over the gate's promotion
     assert reg.tags(judged)["rollback.champion"].startswith("left alone")
     sync.poll_once()
@@ -225,7 +225,7 @@ def test_a_node_rolls_back_the_champion_only_where_it_read_it(
     reg.client.set_registered_model_alias(reg.name, "previous", newer.version)
     reg.champion(again)
     sync.poll_once()
-    sync._roll_back(reg.workload, sync.following[reg.workload], 1.0, 3.0, {})
+    sync.live.roll_back(reg.workload, sync.following[reg.workload], 1.0, 3.0, {})
     assert reg.alias("champion") == str(newer.version)
     assert reg.tags(again)["rollback.champion"] == "moved"
 

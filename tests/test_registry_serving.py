@@ -199,17 +199,21 @@ def test_the_sync_reads_when_training_stopped_paying_off(
     was called for)."""
     from types import SimpleNamespace
 
+    from tide.serving.candidate_history import HistoryConfig
     from tide.serving.draft_sync import DraftSync, SyncConfig
 
     workload = f"sat-{uuid.uuid4().hex[:4]}"
     reg = Registrar(registry.url, target_native.fingerprint, workload)
     engine = SimpleNamespace(target=target_native, workloads_seen=set())
-    sync = DraftSync(SyncConfig(registry.url, tmp_path / "cache", "t", patience=2, outdone_after=3), engine)  # type: ignore[arg-type]  # the two attributes it reads
+    cfg = SyncConfig(
+        registry.url, tmp_path / "cache", "t", history=HistoryConfig(patience=2, outdone_after=3)
+    )
+    sync = DraftSync(cfg, engine).candidates  # type: ignore[arg-type]  # the two attributes it reads
 
     def candidate(gain: float, decision: str) -> float:
         mv = reg.register(trained_draft_dir, {"held_out_gain": str(gain)})
         reg.client.set_model_version_tag(reg.name, mv.version, "gate.decision", decision)
-        sync._check_saturation(workload, reg.name)
+        sync.check(workload, reg.name)
         return int(mv.creation_timestamp) / 1000.0
 
     first = candidate(0.05, "refused")

@@ -41,6 +41,9 @@ def test_prediction_comes_from_the_recall_when_there_was_one() -> None:
     later = Figures([1.2, 1.4], None, 1, 1.2)
     both = {**gated, **Recall(later, "back").to_tags()}
     assert VersionTags.from_tags(both).predicted_tau == {1: 1.2, 2: 1.4}
+    # between the gate's two writes (evidence, alias, decision) a node may read the champion
+    evidence = GateVerdict("promoted", "ok", FIGS).evidence_tags()
+    assert VersionTags.from_tags(evidence).predicted_tau == {1: 1.5, 2: 1.9, 3: 2.1, 4: 2.2}
 
 
 def test_partial_or_foreign_tags_read_as_absent() -> None:
