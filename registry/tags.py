@@ -22,10 +22,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal
+from typing import Literal, get_args
 
 Decision = Literal["promoted", "refused", "skipped"]
-DECISIONS: tuple[str, ...] = ("promoted", "refused", "skipped")
+DECISIONS: tuple[str, ...] = get_args(Decision)
 
 GATE = "gate"
 RECALL = "gate.recall"

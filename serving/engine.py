@@ -333,7 +333,8 @@ class Engine:
     def _decode(self) -> list[StepOutput]:
         start = time.perf_counter()
         seqs = list(self.running)
-        groups = self.drafts.groups(q.workload for q in seqs)
+        speculating = self.adaptive or self.policy.gamma > 0
+        groups = self.drafts.groups(q.workload for q in seqs) if speculating else None
         gamma = self.policy.choose([q.workload for q in seqs]) if groups else 0
         s = BatchSampling.of([q.params for q in seqs])
         # drawn once: a sequence decoded again alone (below) samples with the same numbers

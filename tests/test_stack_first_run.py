@@ -43,8 +43,9 @@ def _health(url: str) -> dict[str, object] | None:
 def test_tide_up_serves_at_once_and_its_first_draft_comes_through_the_registry(tmp_path: Path) -> None:
     port, ui_port, log = free_port(), free_port(), tmp_path / "up.log"
     url = f"http://127.0.0.1:{port}"
+    # the draft job trains for 1.5 minutes: long enough that the node must answer before it ends
     args = ["up", "--data", str(tmp_path / "stack"), "--port", str(port), "--mlflow-port", str(ui_port),
-            "--draft-args", "--budget-minutes 0.5", "--serve-args", "--max-batch 2 --registry-poll 2",
+            "--draft-args", "--budget-minutes 1.5", "--serve-args", "--max-batch 2 --registry-poll 2",
             "--gate-args", "--poll-seconds 5"]  # fmt: skip
     env = {"TIDE_CACHE": str(_fresh_cache(tmp_path)), "OMP_NUM_THREADS": "1"}
     with tide_process(args, log, env) as proc:

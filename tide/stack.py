@@ -122,6 +122,9 @@ def secrets_path(data_dir: Path) -> Path:
     return data_dir / "secrets.env"
 
 
+PartSpec = tuple[str, str, list[str]]  # a part to start: name, role, `tide` arguments
+
+
 @dataclass
 class Part:
     """A `tide` process of the stack."""
@@ -134,9 +137,7 @@ class Part:
     started: float = field(default_factory=time.monotonic)
     crashes: int = 0  # exits in a row that came soon after a start
     job: bool = False  # runs to its end once: done when it exits 0
-    then: list[tuple[str, str, list[str]]] = field(
-        default_factory=list
-    )  # (name, role, args) to start when done
+    then: list[PartSpec] = field(default_factory=list)  # parts to start when the job is done
 
 
 class StackError(RuntimeError):
@@ -279,6 +280,7 @@ class Stack:
         if (folder / "model.safetensors").exists():
             with as_account(self.role_env.get("trainer", {})):
                 ensure_champion(client, fp, "default", folder, source_tags("tide up: the starting draft"))
+            return True  # registered now, or a champion was there already
         return alias_version(client, model_name(fp, "default"), CHAMPION) is not None
 
     def trainer_state_dir(self, workload: str) -> Path:
@@ -303,7 +305,7 @@ class Stack:
         role: str,
         args: list[str],
         job: bool = False,
-        then: list[tuple[str, str, list[str]]] | None = None,
+        then: list[PartSpec] | None = None,
     ) -> None:
         log = self.cfg.data_dir / "logs" / f"{name.replace(':', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -454,14 +456,16 @@ def _champions(url: str) -> list[dict[str, Any]]:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
+    from tide.registry.tags import VersionTags
+
     client = MlflowClient(url)
     rows = []
     for rm in client.search_registered_models(f"name LIKE '{MODEL_PREFIX}%'"):
         workload = (rm.tags or {}).get("workload", rm.name)
         try:
             mv = client.get_model_version_by_alias(rm.name, "champion")
-            tags = mv.tags or {}
-            detail = f"{rm.name} v{mv.version}  gate score {tags.get('gate.score', 'n/a')}"
+            figures = VersionTags.from_tags(mv.tags).figures
+            detail = f"{rm.name} v{mv.version}  gate score {f'{figures.score:.4f}' if figures else 'n/a'}"
         except MlflowException:
             detail = f"{rm.name}: no champion yet"
         rows.append({"part": f"champion:{workload}", "state": "", "detail": detail})

@@ -3,7 +3,8 @@
 It is most of what a trainer's memory grows by (a request's states are n × 4d values), so it keeps
 them as the records carry them on the wire: int8 codes with one bf16 scale per 64 values (the
 `int8-g64` codec of `producers/records.py`), about half their bf16 size, rebuilt for the steps that
-sample them. Records sent as int8-g64 lose nothing more here; bf16 ones lose what that codec loses.
+sample them. The error is that codec's (half a step of each group's largest value) plus bf16
+rounding: records sent int8-g64 are coded again after their bf16 rounding, and lose little more.
 """
 
 from __future__ import annotations
