@@ -23,6 +23,20 @@ def expected_tokens(alphas: list[float], gamma: int) -> float:
     return tau
 
 
+def alphas_from_taus(taus: dict[int, float]) -> list[float]:
+    """Per-depth acceptance from tau at gamma = 1, 2, ... (the inverse of
+    `expected_tokens`: tau(g) - tau(g-1) = alpha_1 * ... * alpha_g)."""
+    out: list[float] = []
+    prev_tau, alive = 1.0, 1.0
+    for g in range(1, max(taus, default=0) + 1):
+        if g not in taus:
+            break
+        a = min(max(max(taus[g] - prev_tau, 0.0) / alive, 0.01), 0.99)  # a measured 0 or 1 is a small sample
+        out.append(a)
+        prev_tau, alive = taus[g], alive * a
+    return out
+
+
 @dataclass
 class StepProfile:
     """Measured step times at one batch size: target[n] for n tokens per sequence, one draft step."""

@@ -1,5 +1,6 @@
-"""Measuring a `StepProfile` (the cost model's step times) on the machine that serves, never assumed:
-target forwards of 1..n tokens per sequence and the draft's steps, timed in rounds."""
+"""The cost model's step times: measured as a `StepProfile` on the machine that serves, never assumed
+(target forwards of 1..n tokens per sequence and the draft's steps, timed in rounds), then followed
+while serving (`StepCosts`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,34 @@ import torch
 from tide.models.eagle3 import DraftKV, Eagle3Draft
 from tide.models.llama import Batch, KVCache, LlamaModel
 from tide.registry.profile import StepProfile
+
+
+class StepCosts:
+    """Step times by batch size: measured profiles (the shape: how cost grows with gamma), scaled by
+    one factor per profile that follows the engine's measured step times (the machine got busier)."""
+
+    horizon = 32.0  # steps averaged into the measured/profiled ratio
+
+    def __init__(self, profiles: list[StepProfile]):
+        self.profiles = sorted(profiles, key=lambda p: p.batch_size)
+        self.ratio = [1.0] * len(self.profiles)  # measured / profiled, per profile
+
+    def _index(self, b: int) -> int:
+        """The profile measured at the smallest batch size >= b (the largest if none)."""
+        return next((i for i, p in enumerate(self.profiles) if p.batch_size >= b), len(self.profiles) - 1)
+
+    def _profiled(self, b: int, gamma: int) -> float:
+        p = self.profiles[self._index(b)]
+        # past the largest measured batch, time grows in proportion to the batch
+        return (p.target[gamma + 1] + p.drafting(gamma)) * max(1.0, b / p.batch_size)
+
+    def step_time(self, b: int, gamma: int) -> float:
+        """Predicted seconds of one engine step for b sequences drafting gamma tokens."""
+        return self._profiled(b, gamma) * self.ratio[self._index(b)]
+
+    def observe(self, b: int, gamma: int, seconds: float) -> None:
+        i = self._index(b)
+        self.ratio[i] += (seconds / self._profiled(b, gamma) - self.ratio[i]) / self.horizon
 
 
 def measure_profile(

@@ -252,7 +252,6 @@ class Engine:
             return
         tracked = list(self.controller.acceptance) if self.controller is not None else []
         key_before = {w: self.drafts.key_for(w) for w in tracked}
-        version_before = {w: self.drafts[k].version if k is not None else None for w, k in key_before.items()}
         seq_before = {seq.request_id: self.drafts.key_for(seq.workload) for seq in self.running}
         self.drafts.apply(swaps)
         if self.controller is not None:
@@ -260,8 +259,7 @@ class Engine:
                 key = self.drafts.key_for(w)
                 if key in swaps or key != key_before[w]:
                     slot = self.drafts[key] if key is not None else None
-                    expected, version = (slot.expected, slot.version) if slot is not None else (None, None)
-                    self.controller.draft_changed([w], expected, version, version_before[w])
+                    self.controller.draft_changed([w], slot.expected if slot is not None else None)
         for seq in self.running:
             key = self.drafts.key_for(seq.workload)
             if key is not None and (key in swaps or key != seq_before[seq.request_id]):

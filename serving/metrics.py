@@ -91,8 +91,8 @@ def _controller_metrics(c: Controller, capture: CapturePolicy | None) -> Iterato
     speedup.add_metric(["measured"], c.measured_speedup)
     yield speedup
     rate = GaugeMetricFamily(
-        "tide_workload_accept_rate", "Acceptance by draft depth, short and long moving averages",
-        labels=["workload", "depth", "average"],
+        "tide_workload_accept_rate", "Acceptance by draft depth, the controller's estimate",
+        labels=["workload", "depth"],
     )  # fmt: skip
     gamma = GaugeMetricFamily(
         "tide_workload_gamma", "The gamma that pays best for the workload alone", labels=["workload"]
@@ -104,14 +104,13 @@ def _controller_metrics(c: Controller, capture: CapturePolicy | None) -> Iterato
         "tide_workload_capture", "1 where the workload is being captured", labels=["workload"]
     )
     shifted = GaugeMetricFamily(
-        "tide_workload_shifted", "1 where short-term acceptance fell below long-term", labels=["workload"]
+        "tide_workload_shifted", "1 where the last change found in acceptance was a fall", labels=["workload"]
     )
     for w, snap in c.snapshot().items():
         if capture is not None and w not in capture.workloads:
             continue
-        for which in ("short", "long"):
-            for depth, a in enumerate(cast(list[float], snap[f"alpha_{which}"]), start=1):
-                rate.add_metric([w, str(depth), which], a)
+        for depth, a in enumerate(cast(list[float], snap["alpha"]), start=1):
+            rate.add_metric([w, str(depth)], a)
         gamma.add_metric([w], float(cast(int, snap["gamma"])))
         on.add_metric([w], float(bool(snap["speculation"])))
         shifted.add_metric([w], float(bool(snap["shifted"])))
