@@ -62,7 +62,7 @@ from tide.registry.store import (
     set_tags,
 )
 from tide.registry.tags import Figures, GateVerdict, Recall, VersionTags, champion_until_tags, now
-from tide.trainers.online import completion_positions, example_of, in_window
+from tide.trainers.examples import completion_positions, example_of, in_window
 from tide.trainers.ttt import Example, TrainConfig, evaluate
 
 log = logging.getLogger("tide.registry")

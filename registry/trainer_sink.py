@@ -4,7 +4,7 @@ The registered model is `tide-draft-<first 12 hex of the target fingerprint>-<wo
 Each version carries, as tags, what the gate and the serving nodes check: workload, offset range,
 records consumed, target fingerprint, draft version, and the sha256 of every file of the folder.
 MLflow (or the S3 store behind it) being away when a trainer starts is waited out with backoff, for
-`wait_s` at most; later failures are the trainer's to retry (`OnlineTrainer._retry`).
+`wait_s` at most; later failures are the trainer's to retry (`trainers.outbox.Outbox`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tide.names import EXPERIMENT, model_name
 from tide.registry.store import CHAMPION, alias_version, download_version, register_version
 from tide.registry.tags import CandidateTags
 from tide.trainers.export import export_all
-from tide.trainers.online import Backoff, Candidate
+from tide.trainers.outbox import Backoff, Candidate
 
 log = logging.getLogger("tide.trainers")
 START_WAIT_S = 300.0  # how long a starting trainer waits for MLflow to come back

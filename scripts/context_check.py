@@ -26,7 +26,7 @@ from tide.prompts import load_prompts, split
 from tide.serving.drafts import DraftStats
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
-from tide.trainers.online import example_of
+from tide.trainers.examples import example_of
 from tide.trainers.ttt import TrainConfig, evaluate
 
 

@@ -28,16 +28,11 @@ from replay_gate import read_records
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead, load_head
-from tide.trainers.online import (
-    OnlineConfig,
-    completion_positions,
-    coverage,
-    grown_vocab,
-    keep_recent,
-    refit_vocab,
-)
+from tide.trainers.examples import completion_positions, keep_recent
+from tide.trainers.online import OnlineConfig
 from tide.trainers.replay import ReplayBuffer
 from tide.trainers.ttt import Example, TrainConfig, Trainer, evaluate, select_vocab
+from tide.trainers.vocab import coverage, grown_vocab, refit_vocab
 
 BATCH = OnlineConfig.batch_size
 

@@ -31,7 +31,7 @@ from tide.producers.records import HiddenStateRecord
 from tide.registry.gate import Gate, GateConfig, parse_profile
 from tide.registry.store import PROFILE_TAG
 from tide.registry.tags import VersionTags, parse_time
-from tide.trainers.online import example_of, in_window
+from tide.trainers.examples import example_of, in_window
 from tide.trainers.ttt import Example
 
 AFTER_SECONDS = 180.0

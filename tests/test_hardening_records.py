@@ -45,7 +45,8 @@ from tide.producers.records import (
 from tide.producers.topics import TopicConfig, ensure_topic
 from tide.registry.trainer_sink import with_backoff
 from tide.trainers.checkpoint import Ledger, load_checkpoint, save_checkpoint
-from tide.trainers.online import Backoff, Candidate, OnlineConfig, OnlineTrainer
+from tide.trainers.online import OnlineConfig, OnlineTrainer
+from tide.trainers.outbox import Backoff, Candidate
 from tide.trainers.ttt import Example, TrainConfig, Trainer
 
 from .conftest import tiny_draft, tiny_target

@@ -27,7 +27,8 @@ from tide.models.loader import Target, load_head
 from tide.names import model_name, topic_for, trainer_group
 from tide.registry.trainer_sink import MlflowSink, champion_folder
 from tide.trainers.checkpoint import Ledger, load_checkpoint
-from tide.trainers.online import OnlineConfig, OnlineTrainer, WorkloadTaken, claim_workload
+from tide.trainers.online import OnlineConfig, OnlineTrainer
+from tide.trainers.reader import WorkloadTaken, claim_workload
 
 from .conftest import serve_into_kafka
 
@@ -59,7 +60,7 @@ def test_trainer_publishes_candidates_with_their_evidence(
         # one poll completes at most `poll_records` requests; examples read earlier while the draft
         # vocabulary waited for its warm-up positions are trained with them
         between.append(0)
-        allowed.append(cfg.poll_records + len(trainer._waiting))
+        allowed.append(cfg.poll_records + len(trainer.vocab.waiting))
         return poll(*a, **kw)
 
     def counted_step(*a: Any, **kw: Any) -> None:

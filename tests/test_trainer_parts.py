@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tide.trainers.online import grown_vocab, keep_recent, newest_uncovered, turned_over
+from tide.trainers.examples import keep_recent, turned_over
 from tide.trainers.replay import ReplayBuffer
 from tide.trainers.ttt import Example, select_vocab
+from tide.trainers.vocab import grown_vocab, newest_uncovered
 
 
 def _example(tokens: list[int], learn_from: int = 0, created_at: float = 0.0) -> Example:

@@ -219,7 +219,8 @@ def train_online(
     from tide.models.loader import load_head
     from tide.registry.trainer_sink import MlflowSink, champion_folder
     from tide.serving.capture import check_workload
-    from tide.trainers.online import OnlineConfig, OnlineTrainer, WorkloadTaken
+    from tide.trainers.online import OnlineConfig, OnlineTrainer
+    from tide.trainers.reader import WorkloadTaken
 
     _setup_logging(verbose)
     try:

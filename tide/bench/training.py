@@ -35,7 +35,7 @@ from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 from tide.serving.sequence import Sequence
 from tide.trainers.checkpoint import save_examples
-from tide.trainers.online import example_of
+from tide.trainers.examples import example_of
 from tide.trainers.ttt import Example, TrainConfig, Trainer, init_draft_head, select_vocab
 
 WORKLOAD = "bench"
