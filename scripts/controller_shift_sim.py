@@ -1,4 +1,4 @@
-"""The controller through a simulated workload shift: what the README's simulation figures come from.
+"""The controller through a simulated workload shift, no model run: its decisions, not the engine's speed.
 
 `python scripts/controller_shift_sim.py [--seeds 5]` feeds `serving.controller.Controller` steps
 that take exactly their profiled time (the controller's own start-up profile on the AMX host of

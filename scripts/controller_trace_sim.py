@@ -1,7 +1,7 @@
 """The controller on real acceptance: a shift run's captured requests replayed through it.
 
 `python scripts/controller_trace_sim.py WORK_DIR CODE_DRAFT NEW_DRAFT [--requests workloads/chat_fr.jsonl]
-[--configs 'resume_doubt=0;resume_doubt=1'] [--orders 8]`
+[--configs 'threshold=4;threshold=8'] [--orders 8]`
 restarts the Kafka broker of a finished `tide bench shift --work-dir WORK_DIR` (as `replay_gate.py`
 does) and reads every captured request. For each completion position it computes how many of a
 draft's chained tokens the target would accept there (greedy: drafting gamma accepts the smaller of
@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument(
         "--configs",
         default="",
-        help="controller settings to compare, ';' between alternatives: 'resume_doubt=0;resume_doubt=1'",
+        help="controller settings to compare, ';' between alternatives: 'threshold=4;threshold=8'",
     )
     ap.add_argument(
         "--orders", type=int, default=1, help="serve each stretch in this many orders (the first as captured)"
