@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -127,19 +128,13 @@ class Acceptance:
         return fell
 
 
-def choose_gamma(alphas: list[list[float]], costs: StepCosts, min_gain: float) -> tuple[int, float]:
-    """The gamma, and its predicted speedup, that maximise a batch's tokens per second: one row of
-    per-depth rates per sequence. 0 (at 1.0) unless some gamma beats `min_gain`."""
-    b = len(alphas)
-    if b == 0:
-        return 0, 1.0
+def choose_gamma(taus: list[float], b: int, costs: StepCosts, min_gain: float) -> tuple[int, float]:
+    """The gamma, and its predicted speedup, that maximise tokens per second for b sequences that
+    yield taus[g] tokens per step on average at gamma g. 0 (at 1.0) unless one beats `min_gain`."""
     plain = costs.step_time(b, 0)
-    best, speedup = 0, 1.0
-    for g in range(1, len(alphas[0]) + 1):
-        s = sum(expected_tokens(a, g) for a in alphas) / b * plain / costs.step_time(b, g)
-        if s > speedup:
-            best, speedup = g, s
-    return (best, speedup) if speedup >= min_gain else (0, 1.0)
+    speedups = [1.0] + [taus[g] * plain / costs.step_time(b, g) for g in range(1, len(taus))]
+    best = max(range(len(speedups)), key=speedups.__getitem__)
+    return (best, speedups[best]) if b and speedups[best] >= min_gain else (0, 1.0)
 
 
 @dataclass
@@ -166,8 +161,11 @@ class Controller:
         return self.acceptance[workload]
 
     def best(self, workloads: list[str]) -> GammaChoice:
-        rates = {w: self.tracker(w).alphas() for w in set(workloads)}
-        return GammaChoice(*choose_gamma([rates[w] for w in workloads], self.costs, self.cfg.min_gain))
+        b, taus = len(workloads), [0.0] * (self.cfg.max_gamma + 1)
+        for w, n in Counter(workloads).items():
+            rates = self.tracker(w).alphas()
+            taus = [t + n / b * expected_tokens(rates, g) for g, t in enumerate(taus)]
+        return GammaChoice(*choose_gamma(taus, b, self.costs, self.cfg.min_gain))
 
     def choose(self, workloads: list[str]) -> GammaChoice:
         """The gamma of the next step for a batch of these workloads (one entry per sequence)."""
