@@ -43,7 +43,7 @@ class ControllerConfig:
     # request's worth chased its noise and served 4% slower than a fixed gamma on code)
     horizon: float = 1024.0
     shift: float = 0.5  # the change the detector looks for: half the way to 0 or to 1
-    threshold: float = 6.0  # nats for a change: at a rate of 0.67 about ten misses in a row
+    threshold: float = 6.0  # nats for a change: at a rate of 0.67 about nine misses in a row
     explore_every: int = 16
     min_gain: float = 1.02  # speculate only above this predicted speedup (the estimates are noisy)
     confirm_steps: int = 384  # not paying, or below a fall, this long: the workload needs training

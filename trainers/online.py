@@ -41,6 +41,7 @@ import torch
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead
 from tide.names import trainer_group
+from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HeldOutWindow
 from tide.trainers.checkpoint import (
     KeySet,
@@ -144,7 +145,6 @@ class OnlineTrainer:
                                    resumed is not None, self._reset_optimizer)  # fmt: skip
         self.reader = RecordReader(cfg.bootstrap, cfg.workload, self.group, head, self.ledger,
                                    cfg.poll_records, cfg.ledger_keys)  # fmt: skip
-        self.consumer = self.reader.consumer
         # late-bound: the consumer is the reader's, and what commits is looked up when it commits
         self.outbox = Outbox(publish, lambda offsets: self.consumer.commit_offsets(offsets), self.ledger,
                              cfg.backoff_first_s, cfg.backoff_cap_s)  # fmt: skip
@@ -160,6 +160,10 @@ class OnlineTrainer:
             "resumed" if resumed else "started",
             self.ledger.steps,
         )
+
+    @property
+    def consumer(self) -> RecordConsumer:
+        return self.reader.consumer
 
     def _new_trainer(self) -> Trainer:
         trainer = Trainer(self.draft.to(self.device), self.lm_head, self.cfg.train or TrainConfig())
