@@ -18,6 +18,7 @@ The sha256 tags of a version's files are `registry.store`'s (`SHA_TAG`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,9 +51,11 @@ def _floats(tags: Mapping[str, str], prefix: str) -> dict[int, float]:
     for k, v in tags.items():
         if k.startswith(prefix) and k[len(prefix) :].isdigit():
             try:
-                out[int(k[len(prefix) :])] = float(v)
+                x = float(v)
             except ValueError:
                 continue  # a hand-edited tag: read as absent
+            if math.isfinite(x):  # "nan" and "inf" parse, and would poison every estimate built on them
+                out[int(k[len(prefix) :])] = x
     return out
 
 

@@ -53,6 +53,8 @@ def test_partial_or_foreign_tags_read_as_absent() -> None:
     gap = {"gate.decision": "refused", "gate.tau_gamma1": "1.5", "gate.tau_gamma3": "2.0"}
     verdict = VersionTags.from_tags(gap).verdict
     assert verdict is not None and verdict.figures is None  # gamma 2 missing: no series at all
+    poisoned = {**gap, "gate.tau_gamma2": "nan"}
+    assert VersionTags.from_tags(poisoned).predicted_tau == {}  # not a number: as if missing
     assert VersionTags.from_tags({"gate.recall.reason": "x"}).recall is None  # no figures, no time
     assert GateVerdict("promoted", "", baseline="none").baseline_version is None
 
