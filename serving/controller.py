@@ -11,7 +11,9 @@
 - **Choice.** gamma = argmax_g tau(g) T(b, 0) / T(b, g) over the batch's rows, tau from the estimates
   and T from step times measured on this machine (`cost_model.StepCosts`); 0 unless the best beats
   `min_gain`: a pure function of estimates and costs (`choose_gamma`).
-- **Exploration.** One step in `explore_every` drafts one token deeper than chosen (one while off).
+- **Exploration.** A step drafts one token deeper than chosen (one while off) once `explore_share`
+  of each step's predicted time, banked, covers its predicted extra time; its measured extra time
+  (a check while off also catches the draft up) is then paid: checks cost that share of serving.
 
 A new draft starts from what the gate measured of it on recent traffic, else from an optimistic
 prior so that it gets tried. A workload calls for training once its draft has not paid, or has
@@ -39,16 +41,13 @@ PRIOR_WEIGHT = 8.0  # pseudo-attempts a prior counts for: one unlucky first step
 @dataclass
 class ControllerConfig:
     max_gamma: int = 6
-    # sequence-steps over which evidence fades to 1/e: many requests (gamma chosen on about one
-    # request's worth chased its noise and served 4% slower than a fixed gamma on code)
-    horizon: float = 1024.0
+    horizon: float = 1024.0  # sequence-steps for evidence to fade to 1/e: many requests, not one
     shift: float = 0.5  # the change the detector looks for: half the way to 0 or to 1
     threshold: float = 6.0  # nats for a change: at a rate of 0.67 about nine misses in a row
-    explore_every: int = 16
+    explore_share: float = 0.01  # of serving time spent drafting deeper than chosen, at most
     min_gain: float = 1.02  # speculate only above this predicted speedup (the estimates are noisy)
     confirm_steps: int = 384  # not paying, or below a fall, this long: the workload needs training
-    # > 0: a chain stops early once the draft's probability of it falls below this in every row
-    stop_below: float = 0.0
+    stop_below: float = 0.0  # > 0: a chain ends once the draft's belief in it falls below, in every row
 
 
 @dataclass
@@ -149,7 +148,7 @@ class Controller:
         self.cfg = cfg
         self.costs = StepCosts(profiles)
         self.acceptance: dict[str, Acceptance] = {}
-        self.steps = 0
+        self.banked = 0.0  # seconds of exploration earned and not yet spent
         self.last = GammaChoice(0, 1.0)
         self.measured_speedup = 1.0  # moving average of measured tokens/s over plain decoding's
         self.batch_size = 1  # of the last decode step: per-workload decisions are judged at it
@@ -169,16 +168,21 @@ class Controller:
 
     def choose(self, workloads: list[str]) -> GammaChoice:
         """The gamma of the next step for a batch of these workloads (one entry per sequence)."""
-        d = self.best(workloads)
-        self.steps += 1
-        if self.steps % self.cfg.explore_every == 0 and d.gamma < self.cfg.max_gamma:
-            d = GammaChoice(d.gamma + 1, d.predicted_speedup, explore=True)
+        d, b = self.best(workloads), len(workloads)
+        if b and d.gamma < self.cfg.max_gamma:
+            now, deeper = self.costs.step_time(b, d.gamma), self.costs.step_time(b, d.gamma + 1)
+            # banked up to one check's worth: checks never come in bursts
+            self.banked = min(self.banked + self.cfg.explore_share * now, deeper - now)
+            if self.banked >= deeper - now:
+                d = GammaChoice(d.gamma + 1, d.predicted_speedup, explore=True)
         self.last = d
         return d
 
     def observe(self, workloads: list[str], accepted: torch.Tensor, gamma: int, seconds: float) -> None:
         """After a step: acceptance of each workload's rows, and the step's measured time."""
         b = self.batch_size = len(workloads)
+        if self.last.explore and gamma == self.last.gamma:  # a check: pay what it cost
+            self.banked -= seconds - self.costs.step_time(b, gamma - 1)
         self.costs.observe(b, gamma, seconds)
         counts: list[int] = accepted.tolist() if gamma > 0 else [0] * b
         measured = (sum(counts) + b) * self.costs.step_time(b, 0) / b / seconds
@@ -195,8 +199,7 @@ class Controller:
 
     def draft_changed(self, workloads: list[str], expected: dict[int, float] | None = None) -> None:
         """A new draft serves these workloads: it starts from `expected` (tau by gamma, as the gate
-        measured it on recent traffic), so a draft the gate found poor here is not tried at full
-        speed first; what was learnt of the old one no longer holds."""
+        measured it on recent traffic), not from what was learnt of the old one."""
         prior = alphas_from_taus(expected) if expected else []
         with self._lock:
             for w in workloads:
@@ -233,16 +236,11 @@ class Controller:
 
 
 def build_controller(
-    model: LlamaModel,
-    draft: Eagle3Draft | None,
-    cfg: ControllerConfig,
-    max_batch: int,
-    batch_sizes: tuple[int, ...] = (1, 4, 16),
-    context: int = 256,
-) -> Controller:
-    """Measure step times at a few batch sizes on this machine, now, and start a controller on them.
-    Five rounds: at batch 4 the ratios that decide were off by 0.14 at the median against 40 rounds
-    (`scripts/profile_noise.py`), by 0.28 with three."""
+    model: LlamaModel, draft: Eagle3Draft | None, cfg: ControllerConfig, max_batch: int,
+    batch_sizes: tuple[int, ...] = (1, 4, 16), context: int = 256,
+) -> Controller:  # fmt: skip
+    """Measure step times at a few batch sizes on this machine, now, and start a controller on them
+    (five rounds: `scripts/profile_noise.py` found three too few for the ratios that decide)."""
     sizes = sorted({min(b, max_batch) for b in batch_sizes})
     profiles = [measure_profile(model, draft, b, context, cfg.max_gamma + 1, repeats=5) for b in sizes]
     return Controller(cfg, profiles)
