@@ -8,6 +8,16 @@ Face folder (`tide.models.hf_folder`), with the draft in vLLM's speculators form
 (`trainers.export.export_speculators`) when one is given, and answers with token ids, the time it
 took, and vLLM's own speculation counters.
 
+With a tap configured, the child's engine also captures: `TapExtension` is mixed into vLLM's worker
+(`worker_extension_cls`) and wraps the model runner's `propose_draft_token_ids`, the one call that
+receives, every step, the target's final normed states and its EAGLE-3 aux states for all scheduled
+tokens together with the tokens it kept. It cuts them into `TapEvent`s as TIDE's engine does
+(positions whose next token the request kept, cut where vLLM's scheduler will stop it) and hands
+them to the same `RecordPublisher`, under the same capture rules (`CapturePolicy`). The tap needs
+EAGLE-3 running: vLLM computes aux states only for its drafter. Stop strings are applied by vLLM's
+front end after the worker has seen the tokens, so records of a request stopped by one carry the
+tokens up to where its text was cut and a few more.
+
 The pipe carries one JSON object per line. The child's stdout is moved to stderr before vLLM is
 imported (vLLM and its engine process print to stdout), so only replies travel on the pipe.
 """
@@ -15,13 +25,22 @@ imported (vLLM and its engine process print to stdout), so only replies travel o
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+import torch
+
+from tide.producers.tap import TapCallback, TapEvent
+from tide.serving.capture import DEFAULT_WORKLOAD, CaptureDecision, CapturePolicy, parse_rules
+
+log = logging.getLogger("tide.serving.vllm")
 
 VENV_DIR = ".venv-vllm"
 # vLLM's CPU build runs with Intel's OpenMP (its wheel pins intel-openmp); torch in that virtualenv
@@ -43,6 +62,14 @@ class VllmUnavailable(RuntimeError):
 
 
 @dataclass
+class TapConfig:
+    bootstrap: str
+    fingerprint: str  # the target's, as every record names it
+    capture: str = "*=on"  # capture rules, as `tide serve --capture` takes them
+    codec: str = "int8-g64"
+
+
+@dataclass
 class VllmConfig:
     model_dir: Path  # the target as an HF folder
     draft_dir: Path | None = None  # a speculators-format draft: EAGLE-3 speculation on
@@ -52,6 +79,7 @@ class VllmConfig:
     max_num_seqs: int = 1
     threads: int = 1
     kv_cache_gib: int = 1
+    tap: TapConfig | None = None  # capture into Kafka (needs a draft: EAGLE-3 computes the aux states)
 
 
 @dataclass
@@ -83,6 +111,8 @@ class VllmProcess:
         cores = sorted(os.sched_getaffinity(0))[: cfg.threads]
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if cfg.tap is not None and cfg.draft_dir is None:
+            raise ValueError("vLLM computes the states a tap captures only with an EAGLE-3 draft")
         spec = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()})
         self.proc = subprocess.Popen(
             [str(python), "-m", "tide.serving.vllm_adapter", spec],
@@ -105,15 +135,31 @@ class VllmProcess:
         reply: dict[str, Any] = json.loads(line)
         return reply
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> VllmResult:
-        """Greedy completions of `prompts` (token ids), batched by vLLM's scheduler."""
+    def _call(self, request: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         reply = self._reply()
         if "error" in reply:
             raise RuntimeError(f"vLLM failed: {reply['error']}")
-        return VllmResult(**reply)
+        return reply
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        workload: str = DEFAULT_WORKLOAD,
+        capture: bool = True,
+    ) -> VllmResult:
+        """Greedy completions of `prompts` (token ids), batched by vLLM's scheduler; `workload` and
+        `capture` are what `X-Tide-Workload` and `X-Tide-Capture` say of a request over HTTP."""
+        req = {"prompts": prompts, "max_tokens": max_tokens, "workload": workload, "capture": capture}
+        return VllmResult(**self._call(req))
+
+    def flush_tap(self) -> dict[str, int]:
+        """Publish every captured record still held, and the tap's counters."""
+        counters: dict[str, int] = self._call({"flush": True})["tap"]
+        return counters
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -147,12 +193,127 @@ def _spec_counters(llm: Any) -> tuple[int, int, list[int]]:
     return drafts, tokens, by_position
 
 
+class VllmTap:
+    """Cuts each step of vLLM's model runner into `TapEvent`s, as TIDE's engine emits them."""
+
+    def __init__(self, runner: Any, sink: TapCallback, policy: CapturePolicy):
+        self.runner, self.sink, self.policy = runner, sink, policy
+        self.node = uuid.uuid4().hex[:8]  # vLLM's request ids repeat across processes
+        self.decisions: dict[str, tuple[CaptureDecision, str]] = {}  # by request: capture?, its workload
+        self.outputs: dict[str, int] = {}  # completion tokens tapped so far, by request
+        self.events = self.failures = 0
+
+    def step(self, scheduled: Any, sampled: torch.Tensor | list[list[int]], hidden: torch.Tensor,
+             aux: list[torch.Tensor]) -> None:  # fmt: skip
+        for rid in scheduled.finished_req_ids:
+            self.decisions.pop(rid, None)
+            self.outputs.pop(rid, None)
+        n = scheduled.total_num_scheduled_tokens
+        ids = self.runner.input_ids.gpu[:n].to("cpu", torch.long)
+        positions = self.runner.positions[:n].to("cpu")
+        states = torch.cat([a[:n] for a in aux], -1)
+        rows = sampled.tolist() if isinstance(sampled, torch.Tensor) else sampled
+        start = 0
+        for i, rid in enumerate(self.runner.input_batch.req_ids):
+            count = scheduled.num_scheduled_tokens[rid]
+            seg = slice(start, start + count)
+            start += count
+            try:
+                self._emit(rid, ids[seg], int(positions[seg.start]), states[seg], hidden[seg], rows[i])
+            except Exception:  # capture is a side job: the request is served on, no longer captured
+                log.exception("capture of vLLM request %s failed; it goes on uncaptured", rid)
+                self.decisions[rid] = (CaptureDecision(False), DEFAULT_WORKLOAD)
+                self.failures += 1
+
+    def _emit(self, rid: str, ids: torch.Tensor, first: int, aux: torch.Tensor, hidden: torch.Tensor,
+              sampled: list[int]) -> None:  # fmt: skip
+        state = self.runner.requests[rid]
+        prompt, params = state.prompt_token_ids, state.sampling_params
+        extra = params.extra_args or {}
+        if rid not in self.decisions:
+            workload = self.policy.workloads.resolve(str(extra.get("tide_workload", DEFAULT_WORKLOAD)))
+            opted_out = extra.get("tide_capture") == "off"
+            self.decisions[rid] = (self.policy.decide(workload, opted_out, self._id(rid), prompt), workload)
+        decision, workload = self.decisions[rid]
+        if not decision.capture:
+            return
+        prefill = first < len(prompt)
+        if (
+            prefill
+        ):  # a prompt chunk: each position is followed by the next prompt token, or the first sampled
+            inputs, end = ids, first + len(ids)
+            kept, final = (
+                (prompt[end : end + 1], False) if end < len(prompt) else self._kept(rid, sampled, params)
+            )
+        else:  # a decode step: the last committed token, then what verification kept
+            inputs = ids[:1]
+            kept, final = self._kept(rid, sampled, params)
+        m = len(inputs) - 1 + len(kept)
+        if m == 0:
+            return
+        tokens = torch.cat([inputs, torch.tensor(kept, dtype=torch.long)])
+        # vLLM writes its output buffers again next step: the tap keeps copies
+        event = TapEvent(self._id(rid), workload, first, tokens, aux[:m].clone(), hidden[:m].clone(),
+                         prefill, "vllm", final, decision.held_out)  # fmt: skip
+        self.sink(event)
+        self.events += 1
+
+    def _kept(self, rid: str, sampled: list[int], params: Any) -> tuple[list[int], bool]:
+        """The sampled tokens the request keeps, cut as vLLM's scheduler stops it (`check_stop`), and
+        whether it stopped."""
+        done = self.outputs.get(rid, 0)
+        max_tokens = params.max_tokens if params.max_tokens is not None else 1 << 30
+        kept: list[int] = []
+        for t in sampled:
+            if t < 0:  # rejected draft positions
+                break
+            kept.append(t)
+            done += 1
+            if t == params.eos_token_id or t in (params.stop_token_ids or ()) or done >= max_tokens:
+                self.outputs[rid] = done
+                return kept, True
+        self.outputs[rid] = done
+        return kept, False
+
+    def _id(self, rid: str) -> str:
+        return f"vllm-{self.node}-{rid}"
+
+
+class TapExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); vLLM calls these through `collective_rpc`."""
+
+    model_runner: Any
+
+    def tide_attach_tap(self, config: str) -> None:
+        from tide.producers.publisher import PublisherConfig, RecordPublisher
+
+        c = TapConfig(**json.loads(config))
+        publisher = RecordPublisher(PublisherConfig(c.bootstrap, codec=c.codec), c.fingerprint)
+        tap = VllmTap(self.model_runner, publisher, CapturePolicy(parse_rules(c.capture)))
+        original = self.model_runner.propose_draft_token_ids
+
+        def propose(scheduled: Any, sampled: Any, metadata: Any, hidden: Any, sample_hidden: Any,
+                    aux: Any, *rest: Any, **kw: Any) -> Any:  # fmt: skip
+            if aux is not None:
+                tap.step(scheduled, sampled, hidden, aux)
+            return original(scheduled, sampled, metadata, hidden, sample_hidden, aux, *rest, **kw)
+
+        self.model_runner.propose_draft_token_ids = propose
+        self.tide_tap = (tap, publisher)
+
+    def tide_flush_tap(self) -> dict[str, int]:
+        tap, publisher = self.tide_tap
+        publisher.flush()
+        return {"events": tap.events, "failures": tap.failures, **asdict(publisher.stats)}
+
+
 def _serve(cfg: dict[str, Any], requests: IO[str], replies: IO[str]) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     spec = None
     if cfg["draft_dir"] is not None:
         spec = {"method": "eagle3", "model": cfg["draft_dir"], "num_speculative_tokens": cfg["gamma"]}
+    tap = cfg.get("tap")
     llm = LLM(
         model=cfg["model_dir"],
         dtype=cfg["dtype"],
@@ -162,7 +323,10 @@ def _serve(cfg: dict[str, Any], requests: IO[str], replies: IO[str]) -> None:
         enforce_eager=True,  # torch.compile on CPU takes minutes per shape, and the shapes vary
         disable_log_stats=False,  # the speculation counters are stats
         seed=0,
+        worker_extension_cls=f"{__name__}.TapExtension" if tap else "",
     )
+    if tap:
+        llm.collective_rpc("tide_attach_tap", args=(json.dumps(tap),))
 
     def reply(obj: dict[str, Any]) -> None:
         replies.write(json.dumps(obj) + "\n")
@@ -172,7 +336,13 @@ def _serve(cfg: dict[str, Any], requests: IO[str], replies: IO[str]) -> None:
     for line in requests:
         try:
             req = json.loads(line)
-            params = SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"]))
+            if req.get("flush"):
+                reply({"tap": llm.collective_rpc("tide_flush_tap")[0] if tap else {}})
+                continue
+            extra = {"tide_workload": req.get("workload", DEFAULT_WORKLOAD)}
+            if not req.get("capture", True):
+                extra["tide_capture"] = "off"
+            params = SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"]), extra_args=extra)
             before = _spec_counters(llm)
             start = time.perf_counter()
             outs = llm.generate(

@@ -8,20 +8,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from confluent_kafka.admin import AdminClient
 from typer.testing import CliRunner
 
 from tide.cli import app
+from tide.infra.kafka.broker import KafkaBroker
 from tide.models.hf_folder import write_hf_folder
 from tide.models.loader import Target, read_target
+from tide.names import topic_for
+from tide.producers.assembler import join
+from tide.producers.consumer import RecordConsumer
+from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.producers.records import HiddenStateRecord
 from tide.prompts import load_prompts, split
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
-from tide.serving.vllm_adapter import VllmConfig, VllmProcess, VllmUnavailable
+from tide.serving.vllm_adapter import TapConfig, VllmConfig, VllmProcess, VllmUnavailable
 from tide.trainers.export import export_speculators
 
 from .conftest import WORKLOADS
@@ -36,16 +45,23 @@ def prompts(target_fp32: Target) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def vllm_pair(
+def vllm_folders(
     target_fp32: Target, trained_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[VllmProcess, VllmProcess]]:
-    """vLLM in fp32 without speculation and with the trained draft (exported as speculators)."""
+) -> tuple[Path, Path]:
+    """The target as an HF folder and the trained draft exported for vLLM."""
     work = tmp_path_factory.mktemp("vllm")
     folder = work / "target"
     assert write_hf_folder(None, folder) == target_fp32.fingerprint
     draft = export_speculators(
         trained_draft_dir, work / "draft", verifier_name_or_path=str(folder), speculative_tokens=GAMMA
     )
+    return folder, draft
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(vllm_folders: tuple[Path, Path]) -> Iterator[tuple[VllmProcess, VllmProcess]]:
+    """vLLM in fp32 without speculation and with the trained draft (exported as speculators)."""
+    folder, draft = vllm_folders
     cfg = VllmConfig(folder, None, GAMMA, "float32", 1024, 1, torch.get_num_threads())
     with VllmProcess(cfg) as plain, VllmProcess(dataclasses.replace(cfg, draft_dir=draft)) as spec:
         yield plain, spec
@@ -118,3 +134,67 @@ def test_a_missing_vllm_virtualenv_says_how_to_make_it(
     monkeypatch.setenv("TIDE_VLLM_PYTHON", str(tmp_path / "none" / "bin" / "python"))
     with pytest.raises(VllmUnavailable, match="make vllm"):
         VllmProcess(VllmConfig(tmp_path))
+
+
+# -- the records a vLLM node publishes ------------------------------------------------------------------
+def _requests(bootstrap: str, workload: str, fingerprint: str, records: int) -> list[HiddenStateRecord]:
+    """The workload's topic read back, each request's records joined in chunk order."""
+    reader = RecordConsumer(bootstrap, [workload], f"check-{uuid.uuid4().hex[:6]}", fingerprint)
+    got: dict[str, list[HiddenStateRecord]] = {}
+    idle = time.monotonic()
+    while sum(map(len, got.values())) < records and time.monotonic() - idle < 15:
+        for c in reader.poll(64, 1.0):
+            got.setdefault(c.record.request_id, []).append(c.record)
+            idle = time.monotonic()
+    reader.close()
+    assert sum(map(len, got.values())) == records
+    return [join(sorted(rs, key=lambda r: r.chunk)) for rs in got.values()]
+
+
+def test_vllm_records_match_tide_records(
+    kafka: KafkaBroker,
+    vllm_folders: tuple[Path, Path],
+    target_fp32: Target,
+    trained_draft_dir: Path,
+    prompts: list[list[int]],
+) -> None:
+    """The same prompts served by vLLM and by TIDE's engine, both capturing (fp32, records in bf16):
+    the same tokens, and states that agree within bf16 rounding and the engines' kernels."""
+    fp = target_fp32.fingerprint
+    folder, draft = vllm_folders
+    tap = TapConfig(kafka.bootstrap, fp, capture="*=on", codec="bf16")
+    cfg = VllmConfig(folder, draft, GAMMA, "float32", 1024, 1, torch.get_num_threads(), tap=tap)
+    with VllmProcess(cfg) as node:
+        served = node.generate(prompts, NEW_TOKENS, workload="vllm-contract")
+        node.generate(prompts[:1], NEW_TOKENS, workload="vllm-optout", capture=False)
+        counters = node.flush_tap()
+    assert counters["failures"] == 0 and counters["records_dropped"] == counters["records_failed"] == 0
+
+    publisher = RecordPublisher(PublisherConfig(kafka.bootstrap, "bf16"), fp)
+    engine = Engine(
+        target_fp32, None, EngineConfig(max_batch=1, max_model_len=1024, gamma=GAMMA), tap=publisher
+    )
+    engine.load_draft(trained_draft_dir)
+    engine.swap_pending_drafts()
+    for p in prompts:
+        engine.add(p, SamplingParams(max_tokens=NEW_TOKENS), workload="tide-contract")
+        while engine.has_work:
+            engine.step()
+    publisher.close()
+
+    theirs = _requests(kafka.bootstrap, "vllm-contract", fp, counters["records_published"])
+    ours = _requests(kafka.bootstrap, "tide-contract", fp, publisher.stats.records_published)
+    assert len(theirs) == len(ours) == len(prompts)
+    for prompt, output in zip(prompts, served.outputs, strict=True):
+        v, t = (next(r for r in rs if r.tokens[: len(prompt)].tolist() == prompt) for rs in (theirs, ours))
+        # exactly the prompt and the completion the client received, in both
+        assert v.tokens.tolist() == t.tokens.tolist() == prompt + output
+        assert v.prefill.tolist() == t.prefill.tolist() and v.first_position == t.first_position == 0
+        for a, b in ((v.aux, t.aux), (v.hidden, t.hidden)):
+            a, b = a.float(), b.float()
+            cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+            rel = (a - b).norm(dim=-1) / b.norm(dim=-1)
+            assert cos.min() > 0.999 and rel.max() < 0.03, (cos.min(), rel.max())
+    # the request that opted out was never captured: its workload's topic was never even made
+    topics = AdminClient({"bootstrap.servers": kafka.bootstrap}).list_topics(timeout=10).topics
+    assert topic_for("vllm-optout") not in topics and topic_for("vllm-contract") in topics

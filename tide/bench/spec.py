@@ -324,26 +324,38 @@ def plot_spec_report(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    names = ["no speculation", f"gamma {report['gamma']}", "adaptive"]
-    values = [r["tokens_per_s"] for r in (report["baseline"], report["speculative"], report["adaptive"])]
-    for key, label in (("llama_cpp", "llama.cpp"), ("vllm", "vLLM"), ("vllm_speculative", "vLLM + draft")):
-        if key in report:
-            names.append(label)
-            values.append(report[key]["tokens_per_s"])
-    bars = ax1.bar(names, values, color=["#888", "#2a7", "#a72", "#47a", "#999", "#7a4"][: len(names)])
-    ax1.bar_label(bars, fmt="%.0f")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    systems = [  # report key, label, colour
+        ("baseline", "no spec.", "#888"),
+        ("speculative", f"γ {report['gamma']}", "#2a7"),
+        ("adaptive", "adaptive", "#a72"),
+        ("llama_cpp", "llama.cpp", "#47a"),
+        ("vllm", "vLLM", "#bbb"),
+        ("vllm_speculative", f"vLLM γ {report['gamma']}", "#7c9"),
+    ]
+    shown = [(label, report[key]["tokens_per_s"], colour) for key, label, colour in systems if key in report]
+    bars = ax1.bar([x[0] for x in shown], [x[1] for x in shown], color=[x[2] for x in shown])
+    ax1.bar_label(bars, fmt="%.1f")
+    ax1.tick_params(axis="x", labelsize=8)
     ax1.set_ylabel("tokens/s")
     ax1.set_title(
         f"batch {report['batch_size']}, {report['dtype']}: {report['speedup']:.2f}x, "
         f"adaptive {report['adaptive_speedup']:.2f}x"
     )
-    rates = report["speculative"]["accept_rate_by_depth"]
-    ax2.bar([str(i + 1) for i in range(len(rates))], rates, color="#2a7")
+    engines = [("TIDE", report["speculative"], "#2a7")]
+    if "accept_rate_by_depth" in report.get("vllm_speculative", {}):
+        engines.append(("vLLM", report["vllm_speculative"], "#7c9"))
+    width = 0.8 / len(engines)
+    for k, (label, r, colour) in enumerate(engines):
+        rates = r["accept_rate_by_depth"]
+        xs = [i + 1 + (k - (len(engines) - 1) / 2) * width for i in range(len(rates))]
+        ax2.bar(xs, rates, width, color=colour, label=f"{label}: {r['mean_accept_length']:.2f} tokens/step")
+    ax2.set_xticks(range(1, len(report["speculative"]["accept_rate_by_depth"]) + 1))
     ax2.set_ylim(0, 1)
     ax2.set_xlabel("draft depth")
-    ax2.set_ylabel("acceptance rate")
-    ax2.set_title(f"mean accepted length {report['speculative']['mean_accept_length']:.2f}")
+    ax2.set_ylabel("acceptance rate (given the one before)")
+    ax2.legend(loc="upper right", fontsize=8)
+    ax2.set_title("one draft, acceptance by depth")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
