@@ -32,7 +32,9 @@ class Runner:
 
 def step(tap: VllmTap, runner: Runner, rows: dict[str, tuple[list[int], int, list[int]]]) -> None:
     """One runner step: per request its scheduled tokens, the first one's position, and what was sampled."""
-    ids, pos, sampled = [], [], []
+    ids: list[int] = []
+    pos: list[int] = []
+    sampled: list[list[int]] = []
     for tokens, first, out in rows.values():
         ids += tokens
         pos += range(first, first + len(tokens))
@@ -52,7 +54,7 @@ def step(tap: VllmTap, runner: Runner, rows: dict[str, tuple[list[int], int, lis
 
 
 def new_tap(capture: str = "*=on") -> tuple[VllmTap, Runner, list[TapEvent]]:
-    runner, events = Runner(), []
+    runner, events = Runner(), list[TapEvent]()
     return VllmTap(runner, events.append, CapturePolicy(parse_rules(capture))), runner, events
 
 
