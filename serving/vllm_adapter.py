@@ -38,11 +38,13 @@ from typing import IO, Any
 import torch
 
 from tide.producers.tap import TapCallback, TapEvent
-from tide.serving.capture import DEFAULT_WORKLOAD, CaptureDecision, CapturePolicy, parse_rules
+from tide.serving.capture import DEFAULT_WORKLOAD, CaptureDecision, CapturePolicy, check_workload, parse_rules
 
 log = logging.getLogger("tide.serving.vllm")
 
 VENV_DIR = ".venv-vllm"
+TAP_ENV = "TIDE_VLLM_TAP"  # the tap's config (JSON), for the worker of vLLM's OpenAI server
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
 # vLLM's CPU build runs with Intel's OpenMP (its wheel pins intel-openmp); torch in that virtualenv
 # loads GNU OpenMP first unless this library is preloaded
 IOMP_LIBRARY = "lib/libiomp5.so"
@@ -96,23 +98,31 @@ class VllmResult:
         return sum(len(o) for o in self.outputs)
 
 
+def _environment(cfg: VllmConfig) -> tuple[Path, dict[str, str]]:
+    """vLLM's interpreter and the environment its processes need."""
+    python = vllm_python()
+    if not python.exists():
+        raise VllmUnavailable(f"no vLLM virtualenv at {python.parent.parent}: run `make vllm`")
+    if cfg.tap is not None and cfg.draft_dir is None:
+        raise ValueError("vLLM computes the states a tap captures only with an EAGLE-3 draft")
+    env = dict(os.environ)
+    iomp = python.parent.parent / IOMP_LIBRARY
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    cores = sorted(os.sched_getaffinity(0))[: cfg.threads]
+    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if cfg.tap is not None:
+        env[TAP_ENV] = json.dumps(asdict(cfg.tap))
+    return python, env
+
+
 class VllmProcess:
     """A vLLM engine in its own process (its own virtualenv); `generate` sends it token ids."""
 
     def __init__(self, cfg: VllmConfig, start_timeout_s: float = 600.0):
-        python = vllm_python()
-        if not python.exists():
-            raise VllmUnavailable(f"no vLLM virtualenv at {python.parent.parent}: run `make vllm`")
-        env = dict(os.environ)
-        iomp = python.parent.parent / IOMP_LIBRARY
-        if iomp.exists():
-            env["LD_PRELOAD"] = str(iomp)
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
-        cores = sorted(os.sched_getaffinity(0))[: cfg.threads]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        if cfg.tap is not None and cfg.draft_dir is None:
-            raise ValueError("vLLM computes the states a tap captures only with an EAGLE-3 draft")
+        python, env = _environment(cfg)
         spec = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()})
         self.proc = subprocess.Popen(
             [str(python), "-m", "tide.serving.vllm_adapter", spec],
@@ -176,6 +186,140 @@ class VllmProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- a serving node: vLLM's OpenAI server ------------------------------------------------------------
+def server_command(cfg: VllmConfig, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of vLLM's OpenAI server on `cfg`, with the tap when it has one."""
+    python, env = _environment(cfg)
+    cmd = [
+        str(python), "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", str(cfg.model_dir), "--served-model-name", "tide", "--host", host, "--port", str(port),
+        "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
+        "--enforce-eager", "--middleware", f"{__name__}.TideHeaders",
+    ]  # fmt: skip
+    if cfg.draft_dir is not None:
+        spec = {"method": "eagle3", "model": str(cfg.draft_dir), "num_speculative_tokens": cfg.gamma}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    if cfg.tap is not None:
+        cmd += ["--worker-extension-cls", f"{__name__}.TapExtension"]
+    return cmd, env
+
+
+def _json_response(status: int, message: str) -> tuple[dict[str, Any], bytes]:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}})
+    start = {"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+    return start, body.encode()
+
+
+class TideHeaders:
+    """ASGI middleware for vLLM's OpenAI server (its `--middleware`). It attaches the tap to the
+    workers once the server has started (the tap's config comes in `TIDE_VLLM_TAP`), and turns the
+    `X-Tide-Workload` and `X-Tide-Capture` headers of a generation request into the `vllm_xargs`
+    the tap reads, as TIDE's own server reads them: an invalid workload name is refused (400), and
+    a body cannot name a workload or opt in to capture by itself."""
+
+    max_body_bytes = 1 << 20
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await self.app(scope, self._on_startup(scope, receive), send)
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATE_PATHS:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            workload = check_workload(headers.get("x-tide-workload", DEFAULT_WORKLOAD))
+        except ValueError as e:
+            return await self._refuse(send, 400, str(e))
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await self._refuse(send, 413, f"the body is over {self.max_body_bytes} bytes")
+        body = self._with_xargs(body, workload, headers.get("x-tide-capture", "").lower() != "off")
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+                 + [(b"content-length", str(len(body)).encode())]}  # fmt: skip
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            message: dict[str, Any] = await receive()
+            return message
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    def _with_xargs(body: bytes, workload: str, capture: bool) -> bytes:
+        """The body with the tap's `vllm_xargs`; a body that is not a JSON object goes on as it is
+        (vLLM answers it)."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return body
+        if not isinstance(data, dict):
+            return body
+        xargs = data.get("vllm_xargs")
+        xargs = (
+            {k: v for k, v in xargs.items() if not k.startswith("tide_")} if isinstance(xargs, dict) else {}
+        )
+        xargs["tide_workload"] = workload
+        if not capture:
+            xargs["tide_capture"] = "off"
+        data["vllm_xargs"] = xargs
+        return json.dumps(data).encode()
+
+    @staticmethod
+    async def _refuse(send: Any, status: int, message: str) -> None:
+        start, body = _json_response(status, message)
+        await send(start)
+        await send({"type": "http.response.body", "body": body})
+
+    @staticmethod
+    def _on_startup(scope: dict[str, Any], receive: Any) -> Any:
+        """`receive` for the lifespan: once the app has the startup message, attach the tap."""
+
+        async def wrapped() -> dict[str, Any]:
+            message: dict[str, Any] = await receive()
+            tap = os.environ.get(TAP_ENV)
+            if message["type"] == "lifespan.startup" and tap:
+                engine = scope["app"].state.engine_client
+                await engine.collective_rpc("tide_attach_tap", args=(tap,))
+            return message
+
+        return wrapped
+
+
+def run_server(cfg: VllmConfig, host: str, port: int) -> int:
+    """vLLM's OpenAI server in the foreground until it ends or this process is stopped."""
+    cmd, env = server_command(cfg, host, port)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        return _stop(proc)
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[Any]) -> int:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
 
 
 # -- the child: runs in vLLM's virtualenv ------------------------------------------------------------

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from confluent_kafka.admin import AdminClient
@@ -33,7 +34,7 @@ from tide.serving.sampling import SamplingParams
 from tide.serving.vllm_adapter import TapConfig, VllmConfig, VllmProcess, VllmUnavailable
 from tide.trainers.export import export_speculators
 
-from .conftest import WORKLOADS
+from .conftest import WORKLOADS, serve_process
 
 GAMMA = 3
 NEW_TOKENS = 48
@@ -51,7 +52,7 @@ def vllm_folders(
     """The target as an HF folder and the trained draft exported for vLLM."""
     work = tmp_path_factory.mktemp("vllm")
     folder = work / "target"
-    assert write_hf_folder(None, folder) == target_fp32.fingerprint
+    assert write_hf_folder(None, folder) == (folder, target_fp32.fingerprint)
     draft = export_speculators(
         trained_draft_dir, work / "draft", verifier_name_or_path=str(folder), speculative_tokens=GAMMA
     )
@@ -69,7 +70,7 @@ def vllm_pair(vllm_folders: tuple[Path, Path]) -> Iterator[tuple[VllmProcess, Vl
 
 def test_the_hf_folder_is_the_same_target(target_fp32: Target, tmp_path: Path) -> None:
     """Written from the GGUF and read back: the same fingerprint, so records name the same target."""
-    assert write_hf_folder(None, tmp_path / "t") == target_fp32.fingerprint
+    assert write_hf_folder(None, tmp_path / "t") == (tmp_path / "t", target_fp32.fingerprint)
     assert read_target(tmp_path / "t")[4] == target_fp32.fingerprint
     assert json.loads((tmp_path / "t" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
@@ -198,3 +199,46 @@ def test_vllm_records_match_tide_records(
     # the request that opted out was never captured: its workload's topic was never even made
     topics = AdminClient({"bootstrap.servers": kafka.bootstrap}).list_topics(timeout=10).topics
     assert topic_for("vllm-optout") not in topics and topic_for("vllm-contract") in topics
+
+
+# -- a vLLM serving node ------------------------------------------------------------------------------------
+def test_vllm_node_serves_and_captures_by_its_headers(
+    kafka: KafkaBroker, trained_draft_dir: Path, target_fp32: Target, tmp_path: Path
+) -> None:
+    """`tide serve --engine vllm`: vLLM's OpenAI server with the draft, publishing records for the
+    workload its `X-Tide-Workload` names, none for a request with `X-Tide-Capture: off`."""
+    args = ["--engine", "vllm", "--draft", str(trained_draft_dir), "--gamma", "3", "--max-batch", "2",
+            "--max-model-len", "1024", "--kafka", kafka.bootstrap]  # fmt: skip
+    body = {"model": "tide", "messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+            "max_tokens": 24, "temperature": 0}  # fmt: skip
+    with serve_process(args, tmp_path / "vllm.log") as url:
+        ok = httpx.post(
+            f"{url}/v1/chat/completions", json=body, headers={"X-Tide-Workload": "vllm-http"}, timeout=120
+        )
+        assert ok.status_code == 200, ok.text
+        text = ok.json()["choices"][0]["message"]["content"]
+        bad = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Tide-Workload": "Not A Name!"})
+        assert bad.status_code == 400 and "workload name" in bad.json()["error"]["message"]
+        secret = {"X-Tide-Workload": "vllm-secret", "X-Tide-Capture": "off"}
+        assert (
+            httpx.post(f"{url}/v1/chat/completions", json=body, headers=secret, timeout=120).status_code
+            == 200
+        )
+        # a body cannot smuggle itself into capture past the headers
+        smuggled = {**body, "vllm_xargs": {"tide_workload": "vllm-smuggled"}}
+        r = httpx.post(f"{url}/v1/chat/completions", json=smuggled, headers=secret, timeout=120)
+        assert r.status_code == 200
+        reader = RecordConsumer(
+            kafka.bootstrap, ["vllm-http"], f"check-{uuid.uuid4().hex[:6]}", target_fp32.fingerprint
+        )
+        records: list[HiddenStateRecord] = []
+        deadline = time.monotonic() + 60
+        while not any(r.last for r in records) and time.monotonic() < deadline:
+            records += [c.record for c in reader.poll(64, 1.0)]
+        reader.close()
+    request = join(sorted(records, key=lambda r: r.chunk))
+    assert request.last and request.workload == "vllm-http" and request.first_position == 0
+    completion = ok.json()["usage"]["completion_tokens"]
+    assert target_fp32.tok.decode(request.tokens[-completion:].tolist()) == text
+    topics = AdminClient({"bootstrap.servers": kafka.bootstrap}).list_topics(timeout=10).topics
+    assert topic_for("vllm-secret") not in topics and topic_for("vllm-smuggled") not in topics

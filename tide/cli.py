@@ -329,6 +329,11 @@ def serve(
         help="with --gamma auto: speculate only where the predicted speedup reaches this; below it a "
         "workload's draft does not pay, and `auto` capture calls for training",
     ),
+    engine: str = typer.Option(
+        "tide",
+        "--engine",
+        help="tide, or vllm: vLLM's OpenAI server with the draft and the tap (`make vllm`)",
+    ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """OpenAI-compatible HTTP server over the speculative engine."""
@@ -354,6 +359,13 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="--capture") from None
     from tide.serving.engine import EngineConfig
 
+    if engine == "vllm":
+        _serve_vllm(
+            model, draft, host, port, dtype, gamma, max_batch, max_model_len, kafka, codec, capture, registry
+        )
+        return
+    if engine != "tide":
+        raise typer.BadParameter("tide or vllm", param_hint="--engine")
     adaptive = gamma == "auto"
     try:
         fixed_gamma = 0 if adaptive else int(gamma)
@@ -395,6 +407,43 @@ def serve(
             ),
         )
     uvicorn.run(api, host=host, port=port, log_level="info")
+
+
+def _serve_vllm(
+    model: str | None, draft: str | None, host: str, port: int, dtype: str, gamma: str, max_batch: int,
+    max_model_len: int, kafka: str | None, codec: str, capture: str, registry: str | None,
+) -> None:  # fmt: skip
+    """`tide serve --engine vllm`: vLLM's OpenAI server on the target's HF folder and the draft
+    (exported for vLLM), capturing into Kafka with `--kafka`."""
+    import tempfile
+
+    from tide.models.hf_folder import write_hf_folder
+    from tide.serving.vllm_adapter import TapConfig, VllmConfig, VllmUnavailable, run_server
+    from tide.trainers.export import export_speculators
+
+    if registry:
+        raise typer.BadParameter("following the registry is not built for vLLM yet", param_hint="--registry")
+    if not gamma.isdigit():
+        raise typer.BadParameter("vLLM drafts a fixed number of tokens: give a number", param_hint="--gamma")
+    with _clear_errors():
+        folder, fp = write_hf_folder(model)
+        source = Path(draft) if draft else default_draft_dir(fp)
+        with tempfile.TemporaryDirectory(prefix="tide-vllm-draft-") as work:
+            spec = None
+            if int(gamma) > 0:
+                if not (source / "config.json").exists():
+                    raise typer.BadParameter(f"no draft at {source}", param_hint="--draft")
+                spec = export_speculators(source, Path(work) / "draft", verifier_name_or_path=str(folder),
+                                          speculative_tokens=int(gamma))  # fmt: skip
+            tap = TapConfig(kafka, fp, capture, codec) if kafka else None
+            native = str(_dtype(dtype)).removeprefix("torch.")
+            cfg = VllmConfig(folder, spec, max(1, int(gamma)), native, max_model_len, max_batch,
+                             torch.get_num_threads(), tap=tap)  # fmt: skip
+            try:
+                code = run_server(cfg, host, port)
+            except (VllmUnavailable, ValueError) as e:
+                raise typer.BadParameter(str(e), param_hint="--engine") from None
+    raise typer.Exit(code)
 
 
 @app.command("gate")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tide.config import cache_dir, native_dtype
+from tide.config import native_dtype
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.hf_folder import write_hf_folder
 from tide.models.loader import Target, load_target
@@ -91,8 +91,7 @@ def _vllm_engines(
     cfg: SpecBenchConfig, target: Target, max_len: int, stack: contextlib.ExitStack
 ) -> dict[str, VllmProcess]:
     """vLLM without speculation and with the benchmark's draft, on the same threads as TIDE's engines."""
-    folder = cache_dir() / "hf" / target.fingerprint[:12]
-    write_hf_folder(cfg.model, folder)
+    folder, _ = write_hf_folder(cfg.model)
     work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tide-vllm-")))
     draft = export_speculators(
         cfg.draft, work / "draft", verifier_name_or_path=str(folder), speculative_tokens=cfg.gamma

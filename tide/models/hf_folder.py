@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tide.config import cache_dir
 from tide.models.llama import LlamaConfig
 from tide.models.loader import read_target
 
@@ -45,15 +46,17 @@ def hf_config(cfg: LlamaConfig) -> dict[str, Any]:
     return c
 
 
-def write_hf_folder(model: str | os.PathLike[str] | None, out: Path) -> str:
-    """Write the target (a GGUF, an HF folder, or the default model) to `out`; returns its fingerprint.
-    A folder already written for the same fingerprint is kept."""
+def write_hf_folder(model: str | os.PathLike[str] | None, out: Path | None = None) -> tuple[Path, str]:
+    """Write the target (a GGUF, an HF folder, or the default model) as an HF folder, at `out` or in
+    the cache (one per fingerprint); returns the folder and the fingerprint. A folder already written
+    for the same fingerprint is kept."""
     from safetensors.numpy import save_file
 
     _, cfg, weights, tokenizer, fp = read_target(model)
+    out = out or cache_dir() / "hf" / fp[:12]
     stamp = out / "tide_fingerprint"
     if stamp.exists() and stamp.read_text() == fp:
-        return fp
+        return out, fp
     if cfg.qk_norm:
         raise ValueError("only Llama-architecture targets can be written as an HF folder here")
     out.mkdir(parents=True, exist_ok=True)
@@ -62,4 +65,4 @@ def write_hf_folder(model: str | os.PathLike[str] | None, out: Path) -> str:
     save_file(kept, str(out / "model.safetensors"))
     tokenizer.hf.save_pretrained(str(out))
     stamp.write_text(fp)
-    return fp
+    return out, fp
