@@ -10,7 +10,7 @@ import torch
 
 from tide.producers.tap import TapEvent
 from tide.serving.capture import CapturePolicy, parse_rules
-from tide.serving.vllm_adapter import VllmTap
+from tide.serving.vllm_adapter.tap import VllmTap
 
 D = 4
 EOS = 2

@@ -418,7 +418,8 @@ def _serve_vllm(
     import tempfile
 
     from tide.models.hf_folder import write_hf_folder
-    from tide.serving.vllm_adapter import TapConfig, VllmConfig, VllmUnavailable, run_server
+    from tide.serving.vllm_adapter.config import TapConfig, VllmConfig, VllmUnavailable
+    from tide.serving.vllm_adapter.server import run_server
     from tide.trainers.export import export_speculators
 
     if registry:

@@ -35,7 +35,8 @@ from tide.serving.drafts import DraftStats
 from tide.serving.engine import Engine, EngineConfig, StepTiming
 from tide.serving.node import NodeConfig, ServingNode
 from tide.serving.sampling import SamplingParams
-from tide.serving.vllm_adapter import VllmConfig, VllmProcess, VllmResult
+from tide.serving.vllm_adapter.config import VllmConfig
+from tide.serving.vllm_adapter.process import VllmProcess, VllmResult
 from tide.trainers.export import export_speculators
 
 

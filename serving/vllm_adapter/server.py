@@ -1,0 +1,151 @@
+"""A serving node on vLLM: its own OpenAI server (`tide serve --engine vllm`), with the tap.
+
+`TideHeaders` is given to vLLM's server as ASGI middleware (its `--middleware` option): it attaches
+the tap to the workers once the server has started, and maps TIDE's request headers onto the
+`vllm_xargs` the tap reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from typing import Any
+
+from tide.serving.capture import DEFAULT_WORKLOAD, check_workload
+from tide.serving.vllm_adapter.config import TAP_ENV, VllmConfig, environment
+
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def server_command(cfg: VllmConfig, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of vLLM's OpenAI server on `cfg`, with the tap when it has one."""
+    python, env = environment(cfg)
+    cmd = [
+        str(python), "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", str(cfg.model_dir), "--served-model-name", "tide", "--host", host, "--port", str(port),
+        "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
+        "--enforce-eager", "--middleware", "tide.serving.vllm_adapter.server.TideHeaders",
+    ]  # fmt: skip
+    if cfg.draft_dir is not None:
+        spec = {"method": "eagle3", "model": str(cfg.draft_dir), "num_speculative_tokens": cfg.gamma}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    if cfg.tap is not None:
+        cmd += ["--worker-extension-cls", "tide.serving.vllm_adapter.tap.TapExtension"]
+    return cmd, env
+
+
+def _json_response(status: int, message: str) -> tuple[dict[str, Any], bytes]:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}})
+    start = {"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+    return start, body.encode()
+
+
+class TideHeaders:
+    """ASGI middleware for vLLM's OpenAI server (its `--middleware`). It attaches the tap to the
+    workers once the server has started (the tap's config comes in `TIDE_VLLM_TAP`), and turns the
+    `X-Tide-Workload` and `X-Tide-Capture` headers of a generation request into the `vllm_xargs`
+    the tap reads, as TIDE's own server reads them: an invalid workload name is refused (400), and
+    a body cannot name a workload or opt in to capture by itself."""
+
+    max_body_bytes = 1 << 20
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await self.app(scope, self._on_startup(scope, receive), send)
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATE_PATHS:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            workload = check_workload(headers.get("x-tide-workload", DEFAULT_WORKLOAD))
+        except ValueError as e:
+            return await self._refuse(send, 400, str(e))
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await self._refuse(send, 413, f"the body is over {self.max_body_bytes} bytes")
+        body = self._with_xargs(body, workload, headers.get("x-tide-capture", "").lower() != "off")
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+                 + [(b"content-length", str(len(body)).encode())]}  # fmt: skip
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            message: dict[str, Any] = await receive()
+            return message
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    def _with_xargs(body: bytes, workload: str, capture: bool) -> bytes:
+        """The body with the tap's `vllm_xargs`; a body that is not a JSON object goes on as it is
+        (vLLM answers it)."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return body
+        if not isinstance(data, dict):
+            return body
+        xargs = data.get("vllm_xargs")
+        xargs = (
+            {k: v for k, v in xargs.items() if not k.startswith("tide_")} if isinstance(xargs, dict) else {}
+        )
+        xargs["tide_workload"] = workload
+        if not capture:
+            xargs["tide_capture"] = "off"
+        data["vllm_xargs"] = xargs
+        return json.dumps(data).encode()
+
+    @staticmethod
+    async def _refuse(send: Any, status: int, message: str) -> None:
+        start, body = _json_response(status, message)
+        await send(start)
+        await send({"type": "http.response.body", "body": body})
+
+    @staticmethod
+    def _on_startup(scope: dict[str, Any], receive: Any) -> Any:
+        """`receive` for the lifespan: once the app has the startup message, attach the tap."""
+
+        async def wrapped() -> dict[str, Any]:
+            message: dict[str, Any] = await receive()
+            tap = os.environ.get(TAP_ENV)
+            if message["type"] == "lifespan.startup" and tap:
+                engine = scope["app"].state.engine_client
+                await engine.collective_rpc("tide_attach_tap", args=(tap,))
+            return message
+
+        return wrapped
+
+
+def run_server(cfg: VllmConfig, host: str, port: int) -> int:
+    """vLLM's OpenAI server in the foreground until it ends or this process is stopped."""
+    cmd, env = server_command(cfg, host, port)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        return _stop(proc)
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[Any]) -> int:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()

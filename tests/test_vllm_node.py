@@ -1,0 +1,84 @@
+"""vLLM as a serving node (`tide serve --engine vllm`) and in `tide bench spec --engine vllm`.
+
+Apart from test_vllm.py, whose module-wide vLLM engines would otherwise still hold their memory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+from confluent_kafka.admin import AdminClient
+from typer.testing import CliRunner
+
+from tide.cli import app
+from tide.infra.kafka.broker import KafkaBroker
+from tide.models.loader import Target
+from tide.names import topic_for
+from tide.producers.assembler import join
+from tide.producers.consumer import RecordConsumer
+from tide.producers.records import HiddenStateRecord
+
+from .conftest import WORKLOADS, serve_process
+
+GAMMA = 3
+
+
+def test_bench_spec_with_vllm(trained_draft_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    args = ["bench", "spec", "--prompts", str(WORKLOADS / "code.jsonl"), "--draft", str(trained_draft_dir),
+            "--max-new-tokens", "24", "--limit", "2", "--gamma", str(GAMMA), "--no-llama-cpp",
+            "--engine", "vllm", "--out", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    r = json.loads(out.read_text())
+    assert r["baseline"]["tokens_per_s"] > 0  # today's keys stay
+    assert r["vllm"]["tokens_per_s"] > 0 and r["vllm_speculative"]["tokens_per_s"] > 0
+    assert r["vllm_speculative"]["mean_accept_length"] > 1.0
+    assert len(r["vllm_speculative"]["accept_rate_by_depth"]) == GAMMA
+    assert 0 <= r["vllm_greedy_match_rate"] <= 1 and 0 <= r["vllm_vs_tide_greedy_match_rate"] <= 1
+
+
+def test_vllm_node_serves_and_captures_by_its_headers(
+    kafka: KafkaBroker, trained_draft_dir: Path, target_fp32: Target, tmp_path: Path
+) -> None:
+    """`tide serve --engine vllm`: vLLM's OpenAI server with the draft, publishing records for the
+    workload its `X-Tide-Workload` names, none for a request with `X-Tide-Capture: off`."""
+    args = ["--engine", "vllm", "--draft", str(trained_draft_dir), "--gamma", "3", "--max-batch", "2",
+            "--max-model-len", "1024", "--kafka", kafka.bootstrap]  # fmt: skip
+    body = {"model": "tide", "messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+            "max_tokens": 24, "temperature": 0}  # fmt: skip
+    with serve_process(args, tmp_path / "vllm.log") as url:
+        ok = httpx.post(
+            f"{url}/v1/chat/completions", json=body, headers={"X-Tide-Workload": "vllm-http"}, timeout=120
+        )
+        assert ok.status_code == 200, ok.text
+        text = ok.json()["choices"][0]["message"]["content"]
+        bad = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Tide-Workload": "Not A Name!"})
+        assert bad.status_code == 400 and "workload name" in bad.json()["error"]["message"]
+        secret = {"X-Tide-Workload": "vllm-secret", "X-Tide-Capture": "off"}
+        assert (
+            httpx.post(f"{url}/v1/chat/completions", json=body, headers=secret, timeout=120).status_code
+            == 200
+        )
+        # a body cannot smuggle itself into capture past the headers
+        smuggled = {**body, "vllm_xargs": {"tide_workload": "vllm-smuggled"}}
+        r = httpx.post(f"{url}/v1/chat/completions", json=smuggled, headers=secret, timeout=120)
+        assert r.status_code == 200
+        reader = RecordConsumer(
+            kafka.bootstrap, ["vllm-http"], f"check-{uuid.uuid4().hex[:6]}", target_fp32.fingerprint
+        )
+        records: list[HiddenStateRecord] = []
+        deadline = time.monotonic() + 60
+        while not any(r.last for r in records) and time.monotonic() < deadline:
+            records += [c.record for c in reader.poll(64, 1.0)]
+        reader.close()
+    request = join(sorted(records, key=lambda r: r.chunk))
+    assert request.last and request.workload == "vllm-http" and request.first_position == 0
+    completion = ok.json()["usage"]["completion_tokens"]
+    assert target_fp32.tok.decode(request.tokens[-completion:].tolist()) == text
+    topics = AdminClient({"bootstrap.servers": kafka.bootstrap}).list_topics(timeout=10).topics
+    assert topic_for("vllm-secret") not in topics and topic_for("vllm-smuggled") not in topics
