@@ -76,6 +76,16 @@ def test_vllm_node_serves_and_captures_by_its_headers(
         while not any(r.last for r in records) and time.monotonic() < deadline:
             records += [c.record for c in reader.poll(64, 1.0)]
         reader.close()
+    # `tide serve` was stopped (SIGTERM): vLLM's server went with it
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+        except httpx.TransportError:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError("vLLM's server outlived `tide serve`")
     request = join(sorted(records, key=lambda r: r.chunk))
     assert request.last and request.workload == "vllm-http" and request.first_position == 0
     completion = ok.json()["usage"]["completion_tokens"]

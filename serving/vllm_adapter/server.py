@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from typing import Any
 
@@ -130,15 +131,22 @@ class TideHeaders:
 
 
 def run_server(cfg: VllmConfig, host: str, port: int) -> int:
-    """vLLM's OpenAI server in the foreground until it ends or this process is stopped."""
+    """vLLM's OpenAI server in the foreground until it ends or this process is stopped (SIGINT or
+    SIGTERM: the server is stopped with it, never left running)."""
     cmd, env = server_command(cfg, host, port)
     proc = subprocess.Popen(cmd, env=env)
+
+    def stopped(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stopped)
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        return _stop(proc)
+        return 130
     finally:
         _stop(proc)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stop(proc: subprocess.Popen[Any]) -> int:
