@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tide.models.eagle3 import DraftLoadError, Eagle3Draft
+from tide.models.hf_folder import hf_config
 from tide.models.loader import Target
 from tide.trainers.export import export_all, export_sglang, export_speculators
 
@@ -269,23 +270,8 @@ def test_sglang_weights_loaded_back_give_the_same_logits(tmp_path: Path) -> None
 # -- vLLM speculators --------------------------------------------------------------------------------------
 def _verifier_folder(target: Target, folder: Path) -> Path:
     """The target as an HF folder holding what speculators reads from a verifier (config, embed, head, norm)."""
-    c = target.config
     folder.mkdir()
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_eps,
-        "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_position,
-        "tie_word_embeddings": False,
-    }
+    hf = {**hf_config(target.config), "tie_word_embeddings": False}  # the head is written below
     (folder / "config.json").write_text(json.dumps(hf))
     m = target.model
     weights = {

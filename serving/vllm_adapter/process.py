@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
 from tide.serving.capture import DEFAULT_WORKLOAD
@@ -41,9 +40,9 @@ class VllmResult:
 class VllmProcess:
     """A vLLM engine in its own process (its own virtualenv); `generate` sends it token ids."""
 
-    def __init__(self, cfg: VllmConfig, start_timeout_s: float = 600.0):
+    def __init__(self, cfg: VllmConfig):
         python, env = environment(cfg)
-        spec = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()})
+        spec = json.dumps(asdict(cfg), default=str)  # paths as strings
         self.proc = subprocess.Popen(
             [str(python), "-m", "tide.serving.vllm_adapter.process", spec],
             stdin=subprocess.PIPE,
@@ -51,16 +50,16 @@ class VllmProcess:
             env=env,
             text=True,
         )
-        ready = self._reply(start_timeout_s)
+        ready = self._reply()
         if not ready.get("ready"):
             self.close()
             raise VllmUnavailable(f"vLLM did not start: {ready.get('error', ready)}")
 
-    def _reply(self, timeout_s: float | None = None) -> dict[str, Any]:
+    def _reply(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            code = self.proc.wait(timeout=timeout_s)
+            code = self.proc.wait()
             raise VllmUnavailable(f"the vLLM process ended (exit code {code}); its log is on stderr")
         reply: dict[str, Any] = json.loads(line)
         return reply

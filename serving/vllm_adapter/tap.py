@@ -46,7 +46,6 @@ class VllmTap:
         n = scheduled.total_num_scheduled_tokens
         ids = self.runner.input_ids.gpu[:n].to("cpu", torch.long)
         positions = self.runner.positions[:n].to("cpu")
-        states = torch.cat([a[:n] for a in aux], -1)
         rows = sampled.tolist() if isinstance(sampled, torch.Tensor) else sampled
         start = 0
         for i, rid in enumerate(self.runner.input_batch.req_ids):
@@ -54,13 +53,15 @@ class VllmTap:
             seg = slice(start, start + count)
             start += count
             try:
-                self._emit(rid, ids[seg], int(positions[seg.start]), states[seg], hidden[seg], rows[i])
+                self._emit(
+                    rid, ids[seg], int(positions[seg.start]), [a[seg] for a in aux], hidden[seg], rows[i]
+                )
             except Exception:  # capture is a side job: the request is served on, no longer captured
                 log.exception("capture of vLLM request %s failed; it goes on uncaptured", rid)
                 self.decisions[rid] = (CaptureDecision(False), DEFAULT_WORKLOAD)
                 self.failures += 1
 
-    def _emit(self, rid: str, ids: torch.Tensor, first: int, aux: torch.Tensor, hidden: torch.Tensor,
+    def _emit(self, rid: str, ids: torch.Tensor, first: int, aux: list[torch.Tensor], hidden: torch.Tensor,
               sampled: list[int]) -> None:  # fmt: skip
         state = self.runner.requests[rid]
         prompt, params = state.prompt_token_ids, state.sampling_params
@@ -73,23 +74,22 @@ class VllmTap:
         if not decision.capture:
             return
         prefill = first < len(prompt)
-        if (
-            prefill
-        ):  # a prompt chunk: each position is followed by the next prompt token, or the first sampled
-            inputs, end = ids, first + len(ids)
-            kept, final = (
-                (prompt[end : end + 1], False) if end < len(prompt) else self._kept(rid, sampled, params)
-            )
-        else:  # a decode step: the last committed token, then what verification kept
-            inputs = ids[:1]
+        # in a prompt chunk each position is followed by the next prompt token, or the first sampled;
+        # in a decode step the last committed token is followed by what verification kept
+        inputs = ids if prefill else ids[:1]
+        end = first + len(ids)
+        if prefill and end < len(prompt):
+            kept, final = prompt[end : end + 1], False
+        else:
             kept, final = self._kept(rid, sampled, params)
         m = len(inputs) - 1 + len(kept)
         if m == 0:
             return
         tokens = torch.cat([inputs, torch.tensor(kept, dtype=torch.long)])
-        # vLLM writes its output buffers again next step: the tap keeps copies
-        event = TapEvent(self._id(rid), workload, first, tokens, aux[:m].clone(), hidden[:m].clone(),
-                         prefill, "vllm", final, decision.held_out)  # fmt: skip
+        # copies: vLLM writes its output buffers again next step
+        states = torch.cat([a[:m] for a in aux], -1)
+        event = TapEvent(self._id(rid), workload, first, tokens, states, hidden[:m].clone(), prefill, "vllm",
+                         final, decision.held_out)  # fmt: skip
         self.sink(event)
         self.events += 1
 
