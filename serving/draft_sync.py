@@ -1,11 +1,13 @@
 """A serving node follows the registry: the `champion` of each workload it serves, swapped in live.
 
-A background thread polls the champion alias of `default` and of every workload the node has
-served. On a change it downloads the version (MLflow; S3 through boto3 when the store is S3),
-checks every file against the version's sha256 tags, loads and checks the draft (every config
-field against the target, shapes, finiteness, the vocabulary map, a forward on a few tokens) off
-the engine's thread, and hands it to the engine, which swaps it in between two steps. A refused
-version is counted and remembered; the old draft keeps serving.
+A background thread polls the champion alias of each workload its engine takes drafts for (TIDE's
+engine: `default` and every workload it has served; a vLLM node: the one it serves). On a change it
+downloads the version (MLflow; S3 through boto3 when the store is S3), checks every file against the
+version's sha256 tags, has the engine load and check the draft (every config field against the
+target, shapes, finiteness, the vocabulary map, a forward on a few tokens) off the engine's thread,
+and hands it over; the engine swaps it in between two steps. A refused version is counted and
+remembered; the old draft keeps serving. The engine is reached through `DraftSink` only
+(`draft_sink.py`), so vLLM follows the registry with this same code.
 
 Each poll also runs the parts with one job each that read or write the registry for the node:
 `LiveCheck` (`live_check.py`: after a swap, does the draft deliver what the gate predicted, else
@@ -39,8 +41,7 @@ from tide.registry.store import (
     download_version,
 )
 from tide.serving.candidate_history import HistoryConfig, RegistryCandidates
-from tide.serving.cost_model import measure_profile
-from tide.serving.engine import Engine
+from tide.serving.draft_sink import DraftSink
 from tide.serving.live_check import Following, LiveCheck, predicted
 
 log = logging.getLogger("tide.serving")
@@ -70,19 +71,19 @@ class SyncStats:
 
 
 class DraftSync:
-    def __init__(self, cfg: SyncConfig, engine: Engine):
+    def __init__(self, cfg: SyncConfig, sink: DraftSink):
         # a poll must fail fast when the registry is away: no minutes of HTTP retries
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self.cfg = cfg
-        self.engine = engine
-        self.fingerprint = engine.target.fingerprint
+        self.sink = sink
+        self.fingerprint = sink.fingerprint
         self.client = MlflowClient(cfg.tracking_uri)
         self.stats = SyncStats()
         self.following: dict[str, Following] = {}
         self.refused: set[tuple[str, str]] = set()  # (model name, version) never to try again
         self.candidates = RegistryCandidates(self.client, cfg.history)
-        self.live = LiveCheck(self.client, engine, cfg.node, cfg.rollback_tolerance, cfg.rollback_min_steps,
+        self.live = LiveCheck(self.client, sink, cfg.node, cfg.rollback_tolerance, cfg.rollback_min_steps,
                               self.following, self.refused, self._fetch)  # fmt: skip
         self._profile: str | None = None
         self._profiled: set[str] = set()  # models whose profile tag this node has set
@@ -104,7 +105,7 @@ class DraftSync:
             self._stop.wait(self.cfg.poll_seconds)
 
     def workloads(self) -> list[str]:
-        return sorted({"default", *self.cfg.workloads, *self.engine.workloads_seen})
+        return sorted({*self.cfg.workloads, *self.sink.workloads()})
 
     # -- one poll -------------------------------------------------------------------------------
     def poll_once(self) -> None:
@@ -132,7 +133,11 @@ class DraftSync:
         if draft is None:
             return
         expected = predicted(mv)
-        self.engine.set_draft(draft, workload, expected or None)
+        try:
+            self.sink.set_draft(draft, workload, expected or None)
+        except DraftLoadError as e:  # the engine itself refused it (vLLM: the weights would not load)
+            self._refuse(mv, e.reason, str(e))
+            return
         self.following[workload] = Following(name, str(mv.version), draft.cfg.version, expected)
         self.stats.swaps += 1
         log.info("%s: swapping in %s version %s (%s)", workload, name, mv.version, draft.cfg.version)
@@ -141,33 +146,30 @@ class DraftSync:
         """The version's draft, checked; None when refused (counted, remembered) or unreachable."""
         try:
             folder = download_version(self.client, mv, self.cfg.cache_dir)
-            return self.engine.read_draft(folder)
+            return self.sink.read_draft(folder)
         except ArtifactRefused as e:
             reason, message = e.reason, str(e)
         except DraftMismatchError as e:
             reason, message = "foreign_target", str(e)
         except DraftLoadError as e:
             reason, message = e.reason, str(e)
+        self._refuse(mv, reason, message)
+        return None
+
+    def _refuse(self, mv: ModelVersion, reason: str, message: str) -> None:
         self.refused.add((mv.name, str(mv.version)))
         self.stats.refused[reason] += 1
         log.error(
             "refused %s version %s (%s): %s; the current draft stays", mv.name, mv.version, reason, message
         )
-        return None
 
     # -- step times for the gate ----------------------------------------------------------------
     def _measure_profile(self) -> None:
         if self._profile is not None or not self.cfg.publish_profile:
             return
-        draft = self.engine.draft or next((s.draft for s in self.engine.drafts.values()), None)
-        if draft is None:
-            return  # a profile without a draft's step time would overstate every speedup
-        e = self.engine
-        # measured once and judged on for the node's lifetime: nine rounds (a few seconds); with five
-        # the worst ratio at batch 1 was off by 0.09 at the median and 0.17 one time in ten, with nine
-        # 0.07 and 0.12 (against 45 rounds on an idle machine here: scripts/profile_noise.py)
-        profile = measure_profile(e.model, draft, 1, 256, e.cfg.max_gamma + 1)
-        self._profile = profile.to_json(self.cfg.node)
+        profile = self.sink.step_profile()  # measured once, judged on for the node's lifetime
+        if profile is not None:
+            self._profile = profile.to_json(self.cfg.node)
 
     def _publish_profile(self, name: str) -> None:
         """Once per model, as soon as a trainer has created it (the gate reads it from there)."""

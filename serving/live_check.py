@@ -20,7 +20,7 @@ from mlflow.entities.model_registry import ModelVersion
 from tide.models.eagle3 import Eagle3Draft
 from tide.registry.store import CHAMPION, PREVIOUS, AliasMoved, alias_version, move_alias, set_tags
 from tide.registry.tags import LiveReport, Rollback, VersionTags
-from tide.serving.engine import Engine
+from tide.serving.draft_sink import DraftSink
 
 log = logging.getLogger("tide.serving")
 
@@ -44,7 +44,7 @@ class LiveCheck:
     def __init__(
         self,
         client: MlflowClient,
-        engine: Engine,
+        sink: DraftSink,
         node: str,
         tolerance: float,
         min_steps: int,
@@ -52,22 +52,22 @@ class LiveCheck:
         refused: set[tuple[str, str]],
         fetch: Callable[[ModelVersion], Eagle3Draft | None],
     ):
-        self.client, self.engine, self.node = client, engine, node
+        self.client, self.sink, self.node = client, sink, node
         self.tolerance, self.min_steps = tolerance, min_steps
         self.following, self.refused, self.fetch = following, refused, fetch  # the follower's, shared
         self.rollbacks = 0
 
     def watch(self) -> None:
-        gamma = self.engine.gamma
+        gamma = self.sink.gamma
         for workload, f in list(self.following.items()):
-            slot = self.engine.drafts.get(workload)
-            if f.judged or slot is None or slot.version != f.draft_version or gamma not in f.predicted_tau:
+            now = self.sink.acceptance(workload)
+            if f.judged or now is None or now.version != f.draft_version or gamma not in f.predicted_tau:
                 continue
-            if slot.stats.steps < self.min_steps:
+            if now.steps < self.min_steps:
                 continue
             f.judged = True
-            live, expected = slot.stats.mean_accept_length, f.predicted_tau[gamma]
-            tags = LiveReport(self.node, gamma, live, slot.stats.steps).to_tags()
+            live, expected = now.tokens_per_step, f.predicted_tau[gamma]
+            tags = LiveReport(self.node, gamma, live, now.steps).to_tags()
             if live >= expected * (1 - self.tolerance):
                 self._tag(f, tags)
                 continue
@@ -80,14 +80,14 @@ class LiveCheck:
     def roll_back(
         self, workload: str, f: Following, live: float, expected: float, tags: dict[str, str]
     ) -> None:
-        reason = (f"live tau {live:.3f} at gamma {self.engine.gamma} fell short of the gate's "
+        reason = (f"live tau {live:.3f} at gamma {self.sink.gamma} fell short of the gate's "
                   f"{expected:.3f} by more than {self.tolerance:.0%}")  # fmt: skip
         log.warning("%s version %s: %s; rolling back", f.name, f.version, reason)
         self.refused.add((f.name, f.version))
         prev = alias_version(self.client, f.name, PREVIOUS)
         draft = self.fetch(prev) if prev is not None and str(prev.version) != f.version else None
         # None: the workload falls back to the default draft
-        self.engine.set_draft(draft, workload, predicted(prev) or None if prev is not None else None)
+        self.sink.set_draft(draft, workload, predicted(prev) or None if prev is not None else None)
         self.following.pop(workload, None)
         to = str(prev.version) if draft is not None and prev is not None else None
         if draft is not None and prev is not None:

@@ -9,14 +9,14 @@ Every per-workload label is a name of the capture policy's `WorkloadSet` (counte
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tide.producers.publisher import RecordPublisher
+from tide.producers.publisher import PublisherStats, RecordPublisher
 from tide.serving.capture import DEFAULT_WORKLOAD, CapturePolicy, WorkloadSet
 from tide.serving.controller import Controller
 from tide.serving.draft_sync import DraftSync
@@ -123,12 +123,14 @@ def _controller_metrics(c: Controller, capture: CapturePolicy | None) -> Iterato
     yield captured
 
 
-class _PublisherCollector(Collector):
-    def __init__(self, publisher: RecordPublisher):
-        self.publisher = publisher
+class CaptureCollector(Collector):
+    """The tap's counters: a publisher's stats and how many requests it holds states of."""
+
+    def __init__(self, read: Callable[[], tuple[PublisherStats, int]]):
+        self.read = read
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        s = self.publisher.stats
+        s, pending = self.read()
         for name, doc, value in (
             ("tide_capture_records_published", "Records the broker acknowledged", s.records_published),
             ("tide_capture_bytes_published", "Bytes of acknowledged records", s.bytes_published),
@@ -143,11 +145,13 @@ class _PublisherCollector(Collector):
         yield GaugeMetricFamily(
             "tide_capture_pending_requests",
             "Requests whose captured states wait for more positions or their end",
-            value=len(self.publisher.pending_requests),
+            value=pending,
         )
 
 
-class _SyncCollector(Collector):
+class SyncCollector(Collector):
+    """What the registry follower did: swaps, rollbacks, refusals, errors, the versions followed."""
+
     def __init__(self, sync: DraftSync, workloads: WorkloadSet | None):
         self.sync = sync
         self.workloads = workloads
@@ -220,9 +224,9 @@ class ServingMetrics:
         self.rejected = Counter("tide_rejected_requests", "Requests refused", ["reason"], registry=r)
         r.register(_EngineCollector(engine, capture))
         if publisher is not None:
-            r.register(_PublisherCollector(publisher))
+            r.register(CaptureCollector(lambda: (publisher.stats, len(publisher.pending_requests))))
         if sync is not None:
-            r.register(_SyncCollector(sync, self.workloads))
+            r.register(SyncCollector(sync, self.workloads))
 
     def workload(self, name: str) -> str:
         """A workload's label: its name if served here, else `default`."""

@@ -204,11 +204,11 @@ def test_the_sync_reads_when_training_stopped_paying_off(
 
     workload = f"sat-{uuid.uuid4().hex[:4]}"
     reg = Registrar(registry.url, target_native.fingerprint, workload)
-    engine = SimpleNamespace(target=target_native, workloads_seen=set())
+    engine = SimpleNamespace(fingerprint=target_native.fingerprint, workloads=set)
     cfg = SyncConfig(
         registry.url, tmp_path / "cache", "t", history=HistoryConfig(patience=2, outdone_after=3)
     )
-    sync = DraftSync(cfg, engine).candidates  # type: ignore[arg-type]  # the two attributes it reads
+    sync = DraftSync(cfg, engine).candidates  # it reads the fingerprint and the workloads only
 
     def candidate(gain: float, decision: str) -> float:
         mv = reg.register(trained_draft_dir, {"held_out_gain": str(gain)})

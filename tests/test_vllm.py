@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from confluent_kafka.admin import AdminClient
+from safetensors.torch import load_file, save_file
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.hf_folder import write_hf_folder
@@ -33,6 +35,7 @@ from tide.serving.vllm_adapter.process import VllmProcess
 from tide.trainers.export import export_speculators
 
 from .conftest import WORKLOADS
+from .drafts import noisy_draft
 
 GAMMA = 3
 NEW_TOKENS = 48
@@ -101,6 +104,43 @@ def test_the_draft_is_accepted_alike_in_vllm_and_tide(
     tide_length = engine.stats.mean_accept_length
     assert tide_length > 1.3, tide_length  # the draft is worth comparing
     assert abs(vllm_length / tide_length - 1.0) < 0.05, (vllm_length, tide_length)
+
+
+def test_a_draft_swapped_into_vllm_serves_at_once_and_a_broken_one_is_refused(
+    vllm_pair: tuple[VllmProcess, VllmProcess],
+    vllm_folders: tuple[Path, Path],
+    prompts: list[list[int]],
+    trained_draft_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Live swaps without a restart: a worse draft serves at once (its acceptance falls, greedy output
+    stays vLLM's own), one whose weights do not fit is refused and the draft before it serves on,
+    and the first draft swapped back accepts as it did."""
+    plain, spec = vllm_pair
+    folder, trained = vllm_folders
+    expected = plain.generate(prompts, NEW_TOKENS).outputs
+
+    def tokens_per_step() -> float:
+        run = spec.generate(prompts, NEW_TOKENS)
+        assert run.outputs == expected
+        return 1.0 + sum(run.accepted_by_position) / run.drafts
+
+    before = tokens_per_step()
+    noisy = export_speculators(noisy_draft(trained_draft_dir, tmp_path / "noisy", 1.0), tmp_path / "noisy-v",
+                               verifier_name_or_path=str(folder), speculative_tokens=GAMMA)  # fmt: skip
+    spec.swap_draft(noisy)
+    worse = tokens_per_step()
+    assert worse < before - 0.2, (before, worse)
+    broken = tmp_path / "broken"
+    shutil.copytree(noisy, broken)
+    state = load_file(str(broken / "model.safetensors"))
+    state["fc.weight"] = state["fc.weight"][:, :-1].contiguous()  # loads after other tensors
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(RuntimeError, match="vLLM failed"):
+        spec.swap_draft(broken)
+    assert tokens_per_step() == pytest.approx(worse, rel=0.02)  # the noisy draft, whole, serves on
+    spec.swap_draft(trained)
+    assert tokens_per_step() == pytest.approx(before, rel=0.02)
 
 
 def test_a_bad_request_is_answered_and_vllm_serves_on(

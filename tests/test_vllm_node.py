@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from tide.cli import app
 from tide.infra.kafka.broker import KafkaBroker
+from tide.infra.mlflow.server import MlflowServer
 from tide.models.loader import Target
 from tide.names import topic_for
 from tide.producers.assembler import join
@@ -23,6 +24,8 @@ from tide.producers.consumer import RecordConsumer
 from tide.producers.records import HiddenStateRecord
 
 from .conftest import WORKLOADS, serve_process
+from .drafts import Registrar, copy_draft, foreign_draft, nan_draft, noisy_draft
+from .test_registry_serving import complete, metric, refused, wait_for
 
 GAMMA = 3
 
@@ -92,3 +95,59 @@ def test_vllm_node_serves_and_captures_by_its_headers(
     assert target_fp32.tok.decode(request.tokens[-completion:].tolist()) == text
     topics = AdminClient({"bootstrap.servers": kafka.bootstrap}).list_topics(timeout=10).topics
     assert topic_for("vllm-secret") not in topics and topic_for("vllm-smuggled") not in topics
+
+
+def test_vllm_node_follows_the_registry(
+    registry: MlflowServer, trained_draft_dir: Path, target_fp32: Target, tmp_path: Path
+) -> None:
+    """A vLLM node follows its workload's champion as a TIDE node does: broken versions refused and
+    counted while the draft it has serves on, a good one swapped in without a restart (greedy output
+    unchanged), one that falls short live rolled back to the previous version."""
+    workload = f"vf-{uuid.uuid4().hex[:4]}"
+    reg = Registrar(registry.url, target_fp32.fingerprint, workload)
+    args = ["--engine", "vllm", "--draft", str(trained_draft_dir), "--gamma", "3", "--max-batch", "2",
+            "--max-model-len", "1024", "--registry", registry.url, "--registry-poll", "1",
+            "--workloads", workload, "--node", "vllm-a", "--rollback-steps", "40"]  # fmt: skip
+
+    def serves(version: str) -> bool:
+        return metric(url, "tide_draft_info", workload=workload, version=version) == 1
+
+    with serve_process(args, tmp_path / "vllm.log") as url:
+        start = json.loads((trained_draft_dir / "config.json").read_text())["version"]
+        assert serves(start)
+        text = complete(url, workload)["choices"][0]["text"]
+        for mv, reason in (
+            (reg.register_wrong_checksum(trained_draft_dir), "checksum"),
+            (reg.register(nan_draft(trained_draft_dir, tmp_path / "nan")), "invalid_weights"),
+            (reg.register(foreign_draft(trained_draft_dir, tmp_path / "foreign")), "foreign_target"),
+        ):
+            reg.champion(mv)
+            wait_for(f"{reason} refused", lambda r=reason: refused(url, r))  # type: ignore[misc]
+            assert serves(start)
+            assert complete(url, workload)["choices"][0]["text"] == text  # serving never stopped
+
+        honest = {f"gate.tau_gamma{g}": "1.0" for g in range(1, 5)}
+        noisy = reg.register(noisy_draft(trained_draft_dir, tmp_path / "noisy", 0.5), honest)
+        reg.champion(noisy)
+        wait_for("the champion swapped in", lambda: serves("noisy-0.5"))
+        assert metric(url, "tide_registry_version", workload=workload, version=str(noisy.version)) == 1
+        assert complete(url, workload)["choices"][0]["text"] == text  # greedy: the same text on any draft
+        assert metric(url, "tide_draft_steps", workload=workload) > 0
+
+        # a version whose gate promised more than any draft can deliver at gamma 3 (at most 4 tokens)
+        promised = {f"gate.tau_gamma{g}": "6.0" for g in range(1, 5)}
+        second = reg.register(copy_draft(trained_draft_dir, tmp_path / "second", "vf-second"), promised)
+        reg.client.set_registered_model_alias(reg.name, "previous", noisy.version)
+        reg.champion(second)
+        wait_for("the second version", lambda: serves("vf-second"))
+        deadline = time.monotonic() + 180
+        while metric(url, "tide_draft_rollbacks_total") < 1:
+            assert time.monotonic() < deadline, "no rollback"
+            complete(url, workload, 48)
+        wait_for("the previous version back", lambda: serves("noisy-0.5"))
+        tags = reg.tags(second)
+        assert "fell short" in tags["rollback.reason"] and tags["rollback.node"] == "vllm-a"
+        assert float(tags["live.vllm-a.tau_gamma3"]) <= 4.0
+        assert reg.alias("champion") == str(noisy.version)
+        assert metric(url, "tide_draft_swaps_total") >= 2
+        assert metric(url, "vllm:spec_decode_num_drafts_total") > 0  # vLLM's own metrics are still there

@@ -360,9 +360,13 @@ def serve(
     from tide.serving.engine import EngineConfig
 
     if engine == "vllm":
-        _serve_vllm(
-            model, draft, host, port, dtype, gamma, max_batch, max_model_len, kafka, codec, capture, registry
-        )
+        if len(names) > 1 and registry:
+            raise typer.BadParameter("vLLM runs one drafter: name the one workload whose champion it "
+                                     "follows", param_hint="--workloads")  # fmt: skip
+        to_follow = (registry, node or _node_name(port), names[0] if names else "default", registry_poll,
+                     rollback_tolerance, rollback_steps) if registry else None  # fmt: skip
+        _serve_vllm(model, draft, host, port, dtype, gamma, max_batch, max_model_len, kafka, codec, capture,
+                    workloads, max_workloads, to_follow)  # fmt: skip
         return
     if engine != "tide":
         raise typer.BadParameter("tide or vllm", param_hint="--engine")
@@ -374,8 +378,6 @@ def serve(
     max_gamma = 6 if adaptive else max(8, fixed_gamma)
     sync = None
     if registry:
-        import socket
-
         from tide.config import cache_dir
         from tide.serving.capture import check_workload
         from tide.serving.draft_sync import SyncConfig
@@ -385,7 +387,7 @@ def serve(
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--workloads") from None
         sync = SyncConfig(
-            registry, cache_dir() / "registry", node or f"{socket.gethostname()}:{port}", registry_poll,
+            registry, cache_dir() / "registry", node or _node_name(port), registry_poll,
             follow, rollback_tolerance, rollback_steps,
         )  # fmt: skip
     _setup_logging(verbose)
@@ -409,21 +411,29 @@ def serve(
     uvicorn.run(api, host=host, port=port, log_level="info")
 
 
+def _node_name(port: int) -> str:
+    import socket
+
+    return f"{socket.gethostname()}:{port}"
+
+
 def _serve_vllm(
     model: str | None, draft: str | None, host: str, port: int, dtype: str, gamma: str, max_batch: int,
-    max_model_len: int, kafka: str | None, codec: str, capture: str, registry: str | None,
+    max_model_len: int, kafka: str | None, codec: str, capture: str, workloads: str, max_workloads: int,
+    follow: tuple[str, str, str, float, float, int] | None,
 ) -> None:  # fmt: skip
     """`tide serve --engine vllm`: vLLM's OpenAI server on the target's HF folder and the draft
-    (exported for vLLM), capturing into Kafka with `--kafka`."""
+    (exported for vLLM), capturing into Kafka with `--kafka`, following the registry with
+    `--registry` (`follow`: its URI, the node's name, the workload, the poll and rollback settings)."""
     import tempfile
 
+    from tide.config import cache_dir
+    from tide.models.eagle3 import read_config
     from tide.models.hf_folder import write_hf_folder
-    from tide.serving.vllm_adapter.config import TapConfig, VllmConfig, VllmUnavailable
+    from tide.serving.vllm_adapter.config import FollowConfig, TapConfig, VllmConfig, VllmUnavailable
     from tide.serving.vllm_adapter.server import run_server
     from tide.trainers.export import export_speculators
 
-    if registry:
-        raise typer.BadParameter("following the registry is not built for vLLM yet", param_hint="--registry")
     if not gamma.isdigit():
         raise typer.BadParameter("vLLM drafts a fixed number of tokens: give a number", param_hint="--gamma")
     with _clear_errors():
@@ -436,10 +446,18 @@ def _serve_vllm(
                     raise typer.BadParameter(f"no draft at {source}", param_hint="--draft")
                 spec = export_speculators(source, Path(work) / "draft", verifier_name_or_path=str(folder),
                                           speculative_tokens=int(gamma))  # fmt: skip
-            tap = TapConfig(kafka, fp, capture, codec) if kafka else None
+            tap = TapConfig(kafka, fp, capture, codec, workloads, max_workloads) if kafka else None
+            following = None
+            if follow is not None:
+                if spec is None:
+                    raise typer.BadParameter("a vLLM node following the registry needs a draft to start with",
+                                             param_hint="--gamma")  # fmt: skip
+                uri, name, workload, poll, tolerance, steps = follow
+                following = FollowConfig(uri, name, fp, read_config(source).version,
+                                         str(cache_dir() / "registry"), workload, poll, tolerance, steps)  # fmt: skip
             native = str(_dtype(dtype)).removeprefix("torch.")
             cfg = VllmConfig(folder, spec, max(1, int(gamma)), native, max_model_len, max_batch,
-                             torch.get_num_threads(), tap=tap)  # fmt: skip
+                             torch.get_num_threads(), tap=tap, follow=following)  # fmt: skip
             try:
                 code = run_server(cfg, host, port)
             except (VllmUnavailable, ValueError) as e:

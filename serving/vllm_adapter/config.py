@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 VENV_DIR = ".venv-vllm"
-TAP_ENV = "TIDE_VLLM_TAP"  # the tap's config (JSON), for the worker of vLLM's OpenAI server
+WORKER_EXTENSION = "tide.serving.vllm_adapter.worker.TideWorker"  # vLLM's worker_extension_cls
+NODE_ENV = "TIDE_VLLM_NODE"  # the `VllmConfig` (JSON) of the node vLLM's OpenAI server runs
 # vLLM's CPU build runs with Intel's OpenMP (its wheel pins intel-openmp); torch in that virtualenv
 # loads GNU OpenMP first unless this library is preloaded
 IOMP_LIBRARY = "lib/libiomp5.so"
@@ -33,6 +34,23 @@ class TapConfig:
     fingerprint: str  # the target's, as every record names it
     capture: str = "*=on"  # capture rules, as `tide serve --capture` takes them
     codec: str = "int8-g64"
+    workloads: str = ""  # the workload names served, as `--workloads` takes them (others: `default`)
+    max_workloads: int = 16  # without `workloads`: names past this many are `default`
+
+
+@dataclass
+class FollowConfig:
+    """A vLLM node follows one workload's champion (vLLM runs one drafter)."""
+
+    tracking_uri: str
+    node: str  # this node's name in tags
+    fingerprint: str  # the target's
+    start_version: str  # the version of the draft vLLM started with (a rollback can go back to it)
+    cache_dir: str  # downloaded versions
+    workload: str = "default"
+    poll_seconds: float = 10.0
+    rollback_tolerance: float = 0.25
+    rollback_min_steps: int = 1000
 
 
 @dataclass
@@ -46,6 +64,16 @@ class VllmConfig:
     threads: int = 1
     kv_cache_gib: int = 1
     tap: TapConfig | None = None  # capture into Kafka (needs a draft: EAGLE-3 computes the aux states)
+    follow: FollowConfig | None = None  # follow the registry (needs a draft: one is swapped for another)
+
+    @classmethod
+    def from_json(cls, text: str) -> VllmConfig:
+        d = json.loads(text)
+        d["model_dir"] = Path(d["model_dir"])
+        d["draft_dir"] = Path(d["draft_dir"]) if d["draft_dir"] else None
+        d["tap"] = TapConfig(**d["tap"]) if d["tap"] else None
+        d["follow"] = FollowConfig(**d["follow"]) if d["follow"] else None
+        return cls(**d)
 
 
 def environment(cfg: VllmConfig) -> tuple[Path, dict[str, str]]:
@@ -55,6 +83,8 @@ def environment(cfg: VllmConfig) -> tuple[Path, dict[str, str]]:
         raise VllmUnavailable(f"no vLLM virtualenv at {python.parent.parent}: run `make vllm`")
     if cfg.tap is not None and cfg.draft_dir is None:
         raise ValueError("vLLM computes the states a tap captures only with an EAGLE-3 draft")
+    if cfg.follow is not None and cfg.draft_dir is None:
+        raise ValueError("a vLLM node swaps drafts into the drafter it starts with: give it a draft")
     env = dict(os.environ)
     iomp = python.parent.parent / IOMP_LIBRARY
     if iomp.exists():
@@ -63,6 +93,5 @@ def environment(cfg: VllmConfig) -> tuple[Path, dict[str, str]]:
     cores = sorted(os.sched_getaffinity(0))[: cfg.threads]
     env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if cfg.tap is not None:
-        env[TAP_ENV] = json.dumps(asdict(cfg.tap))
+    env[NODE_ENV] = json.dumps(asdict(cfg), default=str)
     return python, env

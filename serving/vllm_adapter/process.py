@@ -17,10 +17,11 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 from tide.serving.capture import DEFAULT_WORKLOAD
-from tide.serving.vllm_adapter.config import VllmConfig, VllmUnavailable, environment
+from tide.serving.vllm_adapter.config import WORKER_EXTENSION, VllmConfig, VllmUnavailable, environment
 
 
 @dataclass
@@ -85,6 +86,11 @@ class VllmProcess:
         req = {"prompts": prompts, "max_tokens": max_tokens, "workload": workload, "capture": capture}
         return VllmResult(**self._call(req))
 
+    def swap_draft(self, folder: Path) -> None:
+        """The draft in `folder` (vLLM's speculators format) in place of the one serving, between two
+        steps; raises (and the old one serves on) if vLLM refuses it."""
+        self._call({"draft": str(folder)})
+
     def flush_tap(self) -> dict[str, int]:
         """Publish every captured record still held, and the tap's counters."""
         counters: dict[str, int] = self._call({"flush": True})["tap"]
@@ -138,7 +144,7 @@ def _serve(cfg: dict[str, Any], requests: IO[str], replies: IO[str]) -> None:
         enforce_eager=True,  # torch.compile on CPU takes minutes per shape, and the shapes vary
         disable_log_stats=False,  # the speculation counters are stats
         seed=0,
-        worker_extension_cls="tide.serving.vllm_adapter.tap.TapExtension" if tap else "",
+        worker_extension_cls=WORKER_EXTENSION if spec else "",
     )
     if tap:
         llm.collective_rpc("tide_attach_tap", args=(json.dumps(tap),))
@@ -153,6 +159,11 @@ def _serve(cfg: dict[str, Any], requests: IO[str], replies: IO[str]) -> None:
             req = json.loads(line)
             if req.get("flush"):
                 reply({"tap": llm.collective_rpc("tide_flush_tap")[0] if tap else {}})
+                continue
+            if "draft" in req:
+                llm.collective_rpc("tide_load_draft", args=(req["draft"],))
+                llm.reset_prefix_cache()  # cached blocks hold the old draft's KV entries
+                reply({"swapped": req["draft"]})
                 continue
             extra = {"tide_workload": req.get("workload", DEFAULT_WORKLOAD)}
             if not req.get("capture", True):

@@ -1,20 +1,20 @@
-"""A serving node on vLLM: its own OpenAI server (`tide serve --engine vllm`), with the tap.
+"""A serving node on vLLM: its own OpenAI server (`tide serve --engine vllm`), with TIDE inside.
 
-`TideHeaders` is given to vLLM's server as ASGI middleware (its `--middleware` option): it attaches
-the tap to the workers once the server has started, and maps TIDE's request headers onto the
-`vllm_xargs` the tap reads.
+`TideHeaders` is given to vLLM's server as ASGI middleware (its `--middleware` option): once the
+server has started it starts the `VllmNode` (the tap, the registry follower), it maps TIDE's request
+headers onto the `vllm_xargs` the tap reads, and it appends TIDE's metrics to vLLM's `/metrics`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 from typing import Any
 
 from tide.serving.capture import DEFAULT_WORKLOAD, check_workload
-from tide.serving.vllm_adapter.config import TAP_ENV, VllmConfig, environment
+from tide.serving.vllm_adapter.config import WORKER_EXTENSION, VllmConfig, environment
+from tide.serving.vllm_adapter.node import VllmNode
 
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -31,8 +31,8 @@ def server_command(cfg: VllmConfig, host: str, port: int) -> tuple[list[str], di
     if cfg.draft_dir is not None:
         spec = {"method": "eagle3", "model": str(cfg.draft_dir), "num_speculative_tokens": cfg.gamma}
         cmd += ["--speculative-config", json.dumps(spec)]
-    if cfg.tap is not None:
-        cmd += ["--worker-extension-cls", "tide.serving.vllm_adapter.tap.TapExtension"]
+    if cfg.draft_dir is not None:
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION]
     return cmd, env
 
 
@@ -44,20 +44,23 @@ def _json_response(status: int, message: str) -> tuple[dict[str, Any], bytes]:
 
 
 class TideHeaders:
-    """ASGI middleware for vLLM's OpenAI server (its `--middleware`). It attaches the tap to the
-    workers once the server has started (the tap's config comes in `TIDE_VLLM_TAP`), and turns the
-    `X-Tide-Workload` and `X-Tide-Capture` headers of a generation request into the `vllm_xargs`
-    the tap reads, as TIDE's own server reads them: an invalid workload name is refused (400), and
-    a body cannot name a workload or opt in to capture by itself."""
+    """ASGI middleware for vLLM's OpenAI server (its `--middleware`). It starts the `VllmNode` once
+    the server has started (its config comes in `TIDE_VLLM_NODE`) and stops it with the server; it
+    turns the `X-Tide-Workload` and `X-Tide-Capture` headers of a generation request into the
+    `vllm_xargs` the tap reads, as TIDE's own server reads them: an invalid workload name is refused
+    (400), and a body cannot name a workload or opt in to capture by itself."""
 
     max_body_bytes = 1 << 20
 
     def __init__(self, app: Any):
         self.app = app
+        self.node: VllmNode | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            return await self.app(scope, self._on_startup(scope, receive), send)
+            return await self.app(scope, self._lifespan(scope, receive), send)
+        if scope["type"] == "http" and scope["path"] == "/metrics" and self.node is not None:
+            return await self._metrics(scope, receive, send, self.node)
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATE_PATHS:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -115,19 +118,40 @@ class TideHeaders:
         await send(start)
         await send({"type": "http.response.body", "body": body})
 
-    @staticmethod
-    def _on_startup(scope: dict[str, Any], receive: Any) -> Any:
-        """`receive` for the lifespan: once the app has the startup message, attach the tap."""
+    def _lifespan(self, scope: dict[str, Any], receive: Any) -> Any:
+        """`receive` for the lifespan: the node starts as the app starts, and stops as it stops."""
 
         async def wrapped() -> dict[str, Any]:
             message: dict[str, Any] = await receive()
-            tap = os.environ.get(TAP_ENV)
-            if message["type"] == "lifespan.startup" and tap:
-                engine = scope["app"].state.engine_client
-                await engine.collective_rpc("tide_attach_tap", args=(tap,))
+            if message["type"] == "lifespan.startup":
+                self.node = VllmNode.from_env(scope["app"].state.engine_client)
+                if self.node is not None:
+                    await self.node.start()
+            elif message["type"] == "lifespan.shutdown" and self.node is not None:
+                self.node.stop()
             return message
 
         return wrapped
+
+    async def _metrics(self, scope: dict[str, Any], receive: Any, send: Any, node: VllmNode) -> None:
+        """vLLM's `/metrics` with TIDE's after it (asked for uncompressed, to append to)."""
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"accept-encoding"]
+        start: dict[str, Any] = {}
+        body = b""
+
+        async def collect(message: dict[str, Any]) -> None:
+            nonlocal start, body
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                body += message.get("body", b"")
+
+        await self.app({**scope, "headers": headers}, receive, collect)
+        if start.get("status") == 200:
+            body += await node.metrics()
+        out = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await send({**start, "headers": [*out, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def run_server(cfg: VllmConfig, host: str, port: int) -> int:

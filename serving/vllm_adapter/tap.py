@@ -1,10 +1,9 @@
 """The tap inside vLLM's worker: each step's hidden states cut into `TapEvent`s.
 
-`TapExtension` is mixed into vLLM's worker (`worker_extension_cls`, a public option) and, attached
-through `collective_rpc`, wraps the model runner's `propose_draft_token_ids`: the one call that
-receives, every step, the target's final normed states and its EAGLE-3 aux states for all scheduled
-tokens together with the tokens verification kept (its signature is the one vLLM internal this
-adapter relies on). `VllmTap` cuts them as TIDE's engine does (positions whose next token the
+`worker.TideWorker.tide_attach_tap` wraps the model runner's `propose_draft_token_ids`: the one call
+that receives, every step, the target's final normed states and its EAGLE-3 aux states for all
+scheduled tokens together with the tokens verification kept (its signature is one of the two vLLM
+internals this adapter relies on). `VllmTap` cuts them as TIDE's engine does (positions whose next token the
 request kept, cut where vLLM's scheduler will stop it) and hands them to the same `RecordPublisher`,
 under the same capture rules (`CapturePolicy`). The tap needs EAGLE-3 running: vLLM computes aux
 states only for its drafter. Stop strings are applied by vLLM's front end after the worker has seen
@@ -13,17 +12,14 @@ the tokens, so records of a request stopped by one carry a few tokens past where
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from tide.producers.tap import TapCallback, TapEvent
-from tide.serving.capture import DEFAULT_WORKLOAD, CaptureDecision, CapturePolicy, parse_rules
-from tide.serving.vllm_adapter.config import TapConfig
+from tide.serving.capture import DEFAULT_WORKLOAD, CaptureDecision, CapturePolicy
 
 log = logging.getLogger("tide.serving.vllm")
 
@@ -112,31 +108,3 @@ class VllmTap:
 
     def _id(self, rid: str) -> str:
         return f"vllm-{self.node}-{rid}"
-
-
-class TapExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`); vLLM calls these through `collective_rpc`."""
-
-    model_runner: Any
-
-    def tide_attach_tap(self, config: str) -> None:
-        from tide.producers.publisher import PublisherConfig, RecordPublisher
-
-        c = TapConfig(**json.loads(config))
-        publisher = RecordPublisher(PublisherConfig(c.bootstrap, codec=c.codec), c.fingerprint)
-        tap = VllmTap(self.model_runner, publisher, CapturePolicy(parse_rules(c.capture)))
-        original = self.model_runner.propose_draft_token_ids
-
-        def propose(scheduled: Any, sampled: Any, metadata: Any, hidden: Any, sample_hidden: Any,
-                    aux: Any, *rest: Any, **kw: Any) -> Any:  # fmt: skip
-            if aux is not None:
-                tap.step(scheduled, sampled, hidden, aux)
-            return original(scheduled, sampled, metadata, hidden, sample_hidden, aux, *rest, **kw)
-
-        self.model_runner.propose_draft_token_ids = propose
-        self.tide_tap = (tap, publisher)
-
-    def tide_flush_tap(self) -> dict[str, int]:
-        tap, publisher = self.tide_tap
-        publisher.flush()
-        return {"events": tap.events, "failures": tap.failures, **asdict(publisher.stats)}
