@@ -237,3 +237,67 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
             httpx.get(f"{ui}/health", timeout=2)
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=2)
+
+
+def test_tide_up_with_vllm_serving_learns_a_mismatched_workload(
+    trained_draft_dir: Path, tmp_path: Path
+) -> None:
+    """The same loop with vLLM serving (`tide up --engine vllm`): its tap feeds the trainer, the gate
+    promotes a French draft, the vLLM node swaps it in without a restart and acceptance on French
+    rises. (The stack's own parts, status, UI and Ctrl-C are the test above's: the engine changes none.)"""
+    workload = f"fr-{uuid.uuid4().hex[:6]}"
+    fr = load_prompts(WORKLOADS / "chat_fr.jsonl")
+    evaluation = [p.messages for p in split(fr, "test")[:8] if p.messages]
+    traffic = [p.messages for p in split(fr, "train") if p.messages]
+    data, log = tmp_path / "stack", tmp_path / "up.log"
+    port, ui_port = free_port(), free_port()
+    args = ["up", "--engine", "vllm", "--data", str(data), "--port", str(port), "--mlflow-port", str(ui_port),
+            "--workloads", workload, "--draft", str(trained_draft_dir),
+            "--serve-args", "--max-batch 4 --max-model-len 768 --chunk-positions 48 --registry-poll 2",
+            "--train-args", "--eval-every 25 --checkpoint-every 25 --vocab-warmup 1024",
+            "--gate-args", "--poll-seconds 3 --min-positions 128 --min-speedup 0"]  # fmt: skip
+    with tide_process(args, log, {"OMP_NUM_THREADS": "1"}) as proc:
+        url, ui = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
+        start = time.monotonic()
+        while proc.poll() is None and "MLflow UI:" not in log.read_text():
+            assert time.monotonic() < start + 600, "the stack not up in 600 s:\n" + log.read_text()[-3000:]
+            time.sleep(1)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        logs, client = data / "logs", MlflowClient(ui)
+        assert httpx.get(f"{url}/health", timeout=10).json()["engine"] == "vllm"
+        before = acceptance(url, workload, evaluation)  # French on the code draft
+        deadline, sent, stop = time.monotonic() + 900, [0], threading.Event()
+        with ThreadPoolExecutor(1) as background:
+            sending = background.submit(send_traffic, url, workload, traffic, stop, sent)
+            try:
+                while not improved_serves(url, client, workload):
+                    assert proc.poll() is None, log.read_text()[-3000:]
+                    if sending.done():
+                        sending.result()
+                    assert time.monotonic() < deadline, (
+                        f"no French draft 15% better than the code draft after {sent[0]} requests:\n"
+                        + (logs / f"trainer-{workload}.log").read_text()[-2000:]
+                        + (logs / "gate.log").read_text()[-2000:]
+                    )
+                    time.sleep(2)
+            finally:
+                stop.set()
+            sending.result()
+        learnt = time.monotonic() - start
+        gate = json.loads((data / "stack.json").read_text())["processes"]["gate"]["pid"]
+        os.kill(gate, signal.SIGSTOP)
+        try:
+            time.sleep(3)
+            served = drafts(url)[workload]
+            after = acceptance(url, workload, evaluation)  # French on a promoted French draft, in vLLM
+            assert drafts(url)[workload] == served
+        finally:
+            os.kill(gate, signal.SIGCONT)
+        assert metric(url, "tide_draft_swaps_total") >= 1
+        assert metric(url, "tide_capture_records_published_total") > 0
+        ups = promoted(client, workload)
+        print(f"\nvLLM serving: acceptance on {workload}: {before:.3f} -> {after:.3f} tokens/step after "
+              f"{sent[0]} requests; gate: {ups[-1].tags['gate.reason']}; draft learnt at {learnt:.0f} s")  # fmt: skip
+        assert after > before + 0.05, (before, after)
+        # a promoted French draft serves: trained on records only the vLLM node captured (it is the only node)
+        assert any(v.tags["draft_version"] == served for v in ups)

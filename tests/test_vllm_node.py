@@ -62,6 +62,10 @@ def test_vllm_node_serves_and_captures_by_its_headers(
         text = ok.json()["choices"][0]["message"]["content"]
         bad = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Tide-Workload": "Not A Name!"})
         assert bad.status_code == 400 and "workload name" in bad.json()["error"]["message"]
+        huge = {**body, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+        assert httpx.post(f"{url}/v1/chat/completions", json=huge, timeout=60).status_code == 413
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert health["engine"] == "vllm" and health["drafts"] == {"default": health["draft"]}
         secret = {"X-Tide-Workload": "vllm-secret", "X-Tide-Capture": "off"}
         assert (
             httpx.post(f"{url}/v1/chat/completions", json=body, headers=secret, timeout=120).status_code

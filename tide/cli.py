@@ -366,7 +366,7 @@ def serve(
         to_follow = (registry, node or _node_name(port), names[0] if names else "default", registry_poll,
                      rollback_tolerance, rollback_steps) if registry else None  # fmt: skip
         _serve_vllm(model, draft, host, port, dtype, gamma, max_batch, max_model_len, kafka, codec, capture,
-                    workloads, max_workloads, to_follow)  # fmt: skip
+                    chunk_positions, workloads, max_workloads, to_follow)  # fmt: skip
         return
     if engine != "tide":
         raise typer.BadParameter("tide or vllm", param_hint="--engine")
@@ -419,8 +419,8 @@ def _node_name(port: int) -> str:
 
 def _serve_vllm(
     model: str | None, draft: str | None, host: str, port: int, dtype: str, gamma: str, max_batch: int,
-    max_model_len: int, kafka: str | None, codec: str, capture: str, workloads: str, max_workloads: int,
-    follow: tuple[str, str, str, float, float, int] | None,
+    max_model_len: int, kafka: str | None, codec: str, capture: str, chunk_positions: int, workloads: str,
+    max_workloads: int, follow: tuple[str, str, str, float, float, int] | None,
 ) -> None:  # fmt: skip
     """`tide serve --engine vllm`: vLLM's OpenAI server on the target's HF folder and the draft
     (exported for vLLM), capturing into Kafka with `--kafka`, following the registry with
@@ -446,18 +446,23 @@ def _serve_vllm(
                     raise typer.BadParameter(f"no draft at {source}", param_hint="--draft")
                 spec = export_speculators(source, Path(work) / "draft", verifier_name_or_path=str(folder),
                                           speculative_tokens=int(gamma))  # fmt: skip
-            tap = TapConfig(kafka, fp, capture, codec, workloads, max_workloads) if kafka else None
+            tap = (
+                TapConfig(kafka, fp, capture, codec, workloads, max_workloads, chunk_positions)
+                if kafka
+                else None
+            )
             following = None
             if follow is not None:
                 if spec is None:
                     raise typer.BadParameter("a vLLM node following the registry needs a draft to start with",
                                              param_hint="--gamma")  # fmt: skip
                 uri, name, workload, poll, tolerance, steps = follow
-                following = FollowConfig(uri, name, fp, read_config(source).version,
-                                         str(cache_dir() / "registry"), workload, poll, tolerance, steps)  # fmt: skip
+                following = FollowConfig(uri, name, fp, str(cache_dir() / "registry"), workload, poll, tolerance,
+                                         steps)  # fmt: skip
             native = str(_dtype(dtype)).removeprefix("torch.")
             cfg = VllmConfig(folder, spec, max(1, int(gamma)), native, max_model_len, max_batch,
-                             torch.get_num_threads(), tap=tap, follow=following)  # fmt: skip
+                             torch.get_num_threads(), tap=tap, follow=following,
+                             draft_version=read_config(source).version if spec is not None else "")  # fmt: skip
             try:
                 code = run_server(cfg, host, port)
             except (VllmUnavailable, ValueError) as e:
@@ -550,6 +555,9 @@ def up(
     draft_args: str = typer.Option(
         "", "--draft-args", help="more `tide draft ensure-default` flags (the first run's draft job)"
     ),
+    engine: str = typer.Option(
+        "tide", "--engine", help="the serving node's engine: tide, or vllm (one workload; needs a draft)"
+    ),
 ) -> None:
     """The whole loop on this machine: Kafka, MLflow, trainers, the gate and a serving node. Ctrl-C stops it."""
     import shlex
@@ -568,6 +576,10 @@ def up(
             check_workload(w)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--workloads") from None
+    if engine not in ("tide", "vllm"):
+        raise typer.BadParameter("tide or vllm", param_hint="--engine")
+    if engine == "vllm" and len(names) != 1:
+        raise typer.BadParameter("vLLM runs one drafter: name one workload", param_hint="--workloads")
     extra: dict[str, list[str]] = {}
     for part, flags, hint in (("serve", serve_args, "--serve-args"), ("train", train_args, "--train-args"),
                               ("gate", gate_args, "--gate-args"), ("draft", draft_args, "--draft-args")):  # fmt: skip
@@ -575,7 +587,9 @@ def up(
             extra[part] = shlex.split(flags)
         except ValueError as e:  # an unclosed quote
             raise typer.BadParameter(f"{e}: {flags!r}", param_hint=hint) from None
-    cfg = StackConfig(data or cache_dir() / "stack", host, port, mlflow_port, names, s3, draft, model, extra)
+    cfg = StackConfig(
+        data or cache_dir() / "stack", host, port, mlflow_port, names, s3, draft, model, extra, engine
+    )
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(cfg)
 

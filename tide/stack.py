@@ -53,6 +53,7 @@ class StackConfig:
     # more flags for the parts' commands, after the stack's own (a flag given again wins):
     # {"serve": [...], "train": [...], "gate": [...], "draft": [...]}
     extra: dict[str, list[str]] = field(default_factory=dict)
+    engine: str = "tide"  # the serving node's: tide, or vllm (a fixed gamma; needs a draft to start)
 
 
 @dataclass(frozen=True)
@@ -239,8 +240,9 @@ class Stack:
             )  # fmt: skip
         elif step == "serving":
             draft = ["--draft", str(cfg.draft)] if cfg.draft else []
+            gamma = "auto" if cfg.engine == "tide" else "3"  # vLLM drafts a fixed number of tokens
             self._spawn("serving", "serving",
-                        ["serve", "--host", cfg.host, "--port", str(cfg.port), "--gamma", "auto", "--kafka",
+                        ["serve", "--engine", cfg.engine, "--host", cfg.host, "--port", str(cfg.port), "--gamma", gamma, "--kafka",
                          self.bootstrap, "--capture", "*=auto", "--registry", self.registry, "--workloads",
                          ",".join(cfg.workloads), *draft, *self._model(), *cfg.extra.get("serve", [])])  # fmt: skip
             self._wait_serving(600)

@@ -36,6 +36,7 @@ class TapConfig:
     codec: str = "int8-g64"
     workloads: str = ""  # the workload names served, as `--workloads` takes them (others: `default`)
     max_workloads: int = 16  # without `workloads`: names past this many are `default`
+    chunk_positions: int = 128  # positions per Kafka record at most
 
 
 @dataclass
@@ -45,7 +46,6 @@ class FollowConfig:
     tracking_uri: str
     node: str  # this node's name in tags
     fingerprint: str  # the target's
-    start_version: str  # the version of the draft vLLM started with (a rollback can go back to it)
     cache_dir: str  # downloaded versions
     workload: str = "default"
     poll_seconds: float = 10.0
@@ -65,6 +65,7 @@ class VllmConfig:
     kv_cache_gib: int = 1
     tap: TapConfig | None = None  # capture into Kafka (needs a draft: EAGLE-3 computes the aux states)
     follow: FollowConfig | None = None  # follow the registry (needs a draft: one is swapped for another)
+    draft_version: str = ""  # the TIDE version of `draft_dir`'s draft
 
     @classmethod
     def from_json(cls, text: str) -> VllmConfig:

@@ -52,7 +52,7 @@ class VllmDrafts:
         assert cfg.follow is not None and cfg.draft_dir is not None
         self.cfg, self.follow, self.engine, self.loop = cfg, cfg.follow, engine, loop
         self.start: Path = cfg.draft_dir  # the draft vLLM started with, exported
-        self.version = self.follow.start_version
+        self.version = self.cfg.draft_version
         self.since = spec_counters()
         self.swaps = 0
         self._head: TargetHead | None = None
@@ -89,9 +89,7 @@ class VllmDrafts:
         if workload != self.follow.workload:
             raise ValueError(f"this vLLM node follows {self.follow.workload!r}, not {workload!r}")
         with self._lock:
-            folder, version = (
-                (self.start, self.follow.start_version) if draft is None else self._export(draft)
-            )
+            folder, version = (self.start, self.cfg.draft_version) if draft is None else self._export(draft)
             try:
                 asyncio.run_coroutine_threadsafe(self._swap(folder), self.loop).result(SWAP_SECONDS)
             except Exception as e:

@@ -74,6 +74,16 @@ class VllmNode:
         if self.drafts is not None:
             self.drafts.close()
 
+    def health(self) -> dict[str, object]:
+        """What TIDE's `/health` says of a node (vLLM's answers whether the engine is alive)."""
+        if self.drafts is not None:
+            version, drafts = self.drafts.version, {self.drafts.follow.workload: self.drafts.version}
+        else:
+            version = self.cfg.draft_version or "none"
+            drafts = {"default": version} if self.cfg.draft_dir else {}
+        return {"status": "ok", "engine": "vllm", "draft": version, "drafts": drafts,
+                "gamma": self.cfg.gamma if self.cfg.draft_dir else 0}  # fmt: skip
+
     async def metrics(self) -> bytes:
         """TIDE's metrics of this node, in Prometheus' text format (appended to vLLM's own)."""
         registry = CollectorRegistry()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tide.serving.capture import DEFAULT_WORKLOAD, check_workload
@@ -59,8 +60,14 @@ class TideHeaders:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             return await self.app(scope, self._lifespan(scope, receive), send)
-        if scope["type"] == "http" and scope["path"] == "/metrics" and self.node is not None:
-            return await self._metrics(scope, receive, send, self.node)
+        if scope["type"] == "http" and scope["method"] == "GET" and self.node is not None:
+            node = self.node
+            if scope["path"] == "/metrics":  # vLLM's, then TIDE's
+                return await self._extended(scope, receive, send, lambda body: _appended(body, node))
+            if scope["path"] == "/health":  # vLLM's verdict, TIDE's body
+                return await self._extended(
+                    scope, receive, send, lambda _: _health(node), b"application/json"
+                )
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATE_PATHS:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -133,8 +140,16 @@ class TideHeaders:
 
         return wrapped
 
-    async def _metrics(self, scope: dict[str, Any], receive: Any, send: Any, node: VllmNode) -> None:
-        """vLLM's `/metrics` with TIDE's after it (asked for uncompressed, to append to)."""
+    async def _extended(
+        self,
+        scope: dict[str, Any],
+        receive: Any,
+        send: Any,
+        extend: Callable[[bytes], Awaitable[bytes]],
+        content_type: bytes | None = None,
+    ) -> None:
+        """vLLM's answer (asked for uncompressed), its body given to `extend` when it is a 200 (then
+        of `content_type`, when given)."""
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"accept-encoding"]
         start: dict[str, Any] = {}
         body = b""
@@ -147,11 +162,24 @@ class TideHeaders:
                 body += message.get("body", b"")
 
         await self.app({**scope, "headers": headers}, receive, collect)
+        out = list(start.get("headers", []))
         if start.get("status") == 200:
-            body += await node.metrics()
-        out = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            body = await extend(body)
+            if content_type is not None:
+                out = [(k, v) for k, v in out if k.lower() != b"content-type"] + [
+                    (b"content-type", content_type)
+                ]
+        out = [(k, v) for k, v in out if k.lower() != b"content-length"]
         await send({**start, "headers": [*out, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+async def _appended(body: bytes, node: VllmNode) -> bytes:
+    return body + await node.metrics()
+
+
+async def _health(node: VllmNode) -> bytes:
+    return json.dumps(node.health()).encode()
 
 
 def run_server(cfg: VllmConfig, host: str, port: int) -> int:

@@ -31,7 +31,7 @@ class TideWorker:
         from tide.serving.vllm_adapter.tap import VllmTap
 
         c = TapConfig(**json.loads(config))
-        publisher = RecordPublisher(PublisherConfig(c.bootstrap, codec=c.codec), c.fingerprint)
+        publisher = RecordPublisher(PublisherConfig(c.bootstrap, c.codec, c.chunk_positions), c.fingerprint)
         names = [w.strip() for w in c.workloads.split(",") if w.strip()]
         policy = CapturePolicy(parse_rules(c.capture), workloads=WorkloadSet(names or None, c.max_workloads))
         tap = VllmTap(self.model_runner, publisher, policy)
