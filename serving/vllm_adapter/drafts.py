@@ -11,6 +11,7 @@ vLLM's own speculation counters (the ones its `/metrics` shows) since the swap.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import shutil
 import tempfile
@@ -58,6 +59,7 @@ class VllmDrafts:
         self._head: TargetHead | None = None
         self._work = Path(tempfile.mkdtemp(prefix="tide-vllm-drafts-"))
         self._serving: Path | None = None  # the exported folder of the last draft swapped in
+        self._exports = itertools.count()
         self._lock = threading.Lock()
 
     @property
@@ -93,6 +95,8 @@ class VllmDrafts:
             try:
                 asyncio.run_coroutine_threadsafe(self._swap(folder), self.loop).result(SWAP_SECONDS)
             except Exception as e:
+                if draft is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
                 raise DraftLoadError(f"vLLM refused draft {version}: {e}", "engine_refused") from e
             if self._serving is not None and self._serving != folder:
                 shutil.rmtree(self._serving, ignore_errors=True)
@@ -103,7 +107,7 @@ class VllmDrafts:
 
     def _export(self, draft: Eagle3Draft) -> tuple[Path, str]:
         version = draft.cfg.version
-        source, out = self._work / "source", self._work / f"{self.swaps}-{version}"
+        source, out = self._work / "source", self._work / f"draft-{next(self._exports)}"
         draft.save(source)
         try:
             export_speculators(source, out, verifier_name_or_path=str(self.cfg.model_dir),

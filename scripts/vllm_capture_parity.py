@@ -1,0 +1,103 @@
+"""Do drafts trained on vLLM's records learn as much as drafts trained on TIDE's?
+
+`python scripts/vllm_capture_parity.py --start-draft DIR [--requests 96] [--steps 400] --out report.json`
+
+One traffic, served twice with capture on into a real broker: by TIDE's engine (workload
+`parity-tide`) and by vLLM with the tap (`parity-vllm`), both in bf16 with the same start draft at
+γ 3, greedy, the same prompts (chat_fr, train part) and `--max-new-tokens`. Then `tide train` runs
+`--steps` steps on each topic from the start draft, alike in every flag, and each draft's held-out
+τ is measured the same way: tokens per step in TIDE's engine (fp32, γ 3, greedy) on chat_fr's test
+part, which neither trainer saw. Needs `.venv-vllm` (`make vllm`). Takes about half an hour on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tide.infra.kafka.broker import KafkaBroker
+from tide.models.hf_folder import write_hf_folder
+from tide.models.loader import load_target
+from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.prompts import load_prompts, split
+from tide.serving.engine import Engine, EngineConfig
+from tide.serving.sampling import SamplingParams
+from tide.serving.vllm_adapter.config import TapConfig, VllmConfig
+from tide.serving.vllm_adapter.process import VllmProcess
+from tide.trainers.checkpoint import checkpoints_dir, current_checkpoint
+from tide.trainers.export import export_speculators
+
+GAMMA = 3
+WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
+
+
+def tau(draft: Path | None, prompts: list[list[int]], new_tokens: int) -> float:
+    target = load_target(None, torch.float32)
+    engine = Engine(target, None, EngineConfig(max_batch=1, max_model_len=1024, gamma=GAMMA))
+    if draft is not None:
+        engine.load_draft(draft)
+        engine.swap_pending_drafts()
+    for p in prompts:
+        engine.generate([p], SamplingParams(max_tokens=new_tokens))
+    return float(engine.stats.mean_accept_length)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--start-draft", type=Path, required=True)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    fr = load_prompts(WORKLOADS / "chat_fr.jsonl")
+    bf16 = load_target(None, torch.bfloat16)
+    traffic = [p.token_ids(bf16.tok)[-200:] for p in split(fr, "train")[: a.requests]]
+    held = [p.token_ids(bf16.tok)[-200:] for p in split(fr, "test")[: a.eval_prompts]]
+    tide = Path(sys.executable).parent / "tide"
+    report: dict[str, object] = {"requests": len(traffic), "steps": a.steps, "gamma": GAMMA}
+    with tempfile.TemporaryDirectory(prefix="tide-parity-") as tmp, KafkaBroker(Path(tmp) / "kafka") as kafka:
+        work = Path(tmp)
+        publisher = RecordPublisher(PublisherConfig(kafka.bootstrap, "int8-g64"), bf16.fingerprint)
+        engine = Engine(bf16, None, EngineConfig(max_batch=8, max_model_len=1024, gamma=GAMMA), tap=publisher)
+        engine.load_draft(a.start_draft)
+        for i, p in enumerate(traffic):
+            engine.add(p, SamplingParams(max_tokens=a.max_new_tokens), f"tide-{i}", workload="parity-tide")
+        while engine.has_work:
+            engine.step()
+        publisher.close()
+        report["tide_records"] = publisher.stats.records_published
+        folder, fp = write_hf_folder(None)
+        spec = export_speculators(a.start_draft, work / "spec", verifier_name_or_path=str(folder),
+                                  speculative_tokens=GAMMA)  # fmt: skip
+        cfg = VllmConfig(folder, spec, GAMMA, "bfloat16", 1024, 8, torch.get_num_threads(),
+                         tap=TapConfig(kafka.bootstrap, fp))  # fmt: skip
+        with VllmProcess(cfg) as vllm:
+            vllm.generate(traffic, a.max_new_tokens, workload="parity-vllm")
+            report["vllm_records"] = vllm.flush_tap()["records_published"]
+        taus: dict[str, float] = {"start": tau(a.start_draft, held, 64)}
+        for name in ("parity-tide", "parity-vllm"):
+            state = work / name
+            subprocess.run([str(tide), "train", "--kafka", kafka.bootstrap, "--workload", name, "--start-draft",
+                            str(a.start_draft), "--state-dir", str(state), "--max-steps", str(a.steps),
+                            "--idle-seconds", "600", "--checkpoint-every", str(a.steps), "--eval-every", "100"],
+                           check=True)  # fmt: skip
+            ckpt = current_checkpoint(checkpoints_dir(state))
+            assert ckpt is not None, f"{name}: no checkpoint"
+            taus[name] = tau(ckpt / "draft", held, 64)
+            print(name, taus[name], flush=True)
+    report["tau"] = taus
+    report["vllm_over_tide"] = taus["parity-vllm"] / taus["parity-tide"]
+    a.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
