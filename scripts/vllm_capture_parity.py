@@ -2,12 +2,14 @@
 
 `python scripts/vllm_capture_parity.py --start-draft DIR [--requests 96] [--steps 400] --out report.json`
 
-One traffic, served twice with capture on into a real broker: by TIDE's engine (workload
-`parity-tide`) and by vLLM with the tap (`parity-vllm`), both in bf16 with the same start draft at
-γ 3, greedy, the same prompts (chat_fr, train part) and `--max-new-tokens`. Then `tide train` runs
-`--steps` steps on each topic from the start draft, alike in every flag, and each draft's held-out
-τ is measured the same way: tokens per step in TIDE's engine (fp32, γ 3, greedy) on chat_fr's test
-part, which neither trainer saw. Needs `.venv-vllm` (`make vllm`). Takes about half an hour on 2 cores.
+One traffic, served with capture on into a real broker: twice by TIDE's engine under other request
+ids (workloads `parity-tide` and `parity-tide-2`: the control, since ids decide which requests
+trainers hold out) and once by vLLM with the tap (`parity-vllm`), all in bf16 with the same start
+draft at γ 3, greedy, the same prompts (chat_fr, train part) and `--max-new-tokens`. Then `tide
+train` runs `--steps` steps on each topic from the start draft, alike in every flag, and each
+draft's held-out τ is measured the same way: tokens per step in TIDE's engine (fp32, γ 3, greedy)
+on chat_fr's test part, which no trainer saw. Needs `.venv-vllm` (`make vllm`). Takes about 35
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tide.trainers.checkpoint import checkpoints_dir, current_checkpoint
 from tide.trainers.export import export_speculators
 
 GAMMA = 3
+TIDE_RUNS = ("parity-tide", "parity-tide-2")
 WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 
 
@@ -65,15 +68,20 @@ def main() -> None:
     report: dict[str, object] = {"requests": len(traffic), "steps": a.steps, "gamma": GAMMA}
     with tempfile.TemporaryDirectory(prefix="tide-parity-") as tmp, KafkaBroker(Path(tmp) / "kafka") as kafka:
         work = Path(tmp)
-        publisher = RecordPublisher(PublisherConfig(kafka.bootstrap, "int8-g64"), bf16.fingerprint)
-        engine = Engine(bf16, None, EngineConfig(max_batch=8, max_model_len=1024, gamma=GAMMA), tap=publisher)
-        engine.load_draft(a.start_draft)
-        for i, p in enumerate(traffic):
-            engine.add(p, SamplingParams(max_tokens=a.max_new_tokens), f"tide-{i}", workload="parity-tide")
-        while engine.has_work:
-            engine.step()
-        publisher.close()
-        report["tide_records"] = publisher.stats.records_published
+        for workload in TIDE_RUNS:
+            publisher = RecordPublisher(PublisherConfig(kafka.bootstrap, "int8-g64"), bf16.fingerprint)
+            engine = Engine(
+                bf16, None, EngineConfig(max_batch=8, max_model_len=1024, gamma=GAMMA), tap=publisher
+            )
+            engine.load_draft(a.start_draft)
+            for i, p in enumerate(traffic):
+                engine.add(
+                    p, SamplingParams(max_tokens=a.max_new_tokens), f"{workload}-{i}", workload=workload
+                )
+            while engine.has_work:
+                engine.step()
+            publisher.close()
+            report[f"{workload}_records"] = publisher.stats.records_published
         folder, fp = write_hf_folder(None)
         spec = export_speculators(a.start_draft, work / "spec", verifier_name_or_path=str(folder),
                                   speculative_tokens=GAMMA)  # fmt: skip
@@ -83,7 +91,7 @@ def main() -> None:
             vllm.generate(traffic, a.max_new_tokens, workload="parity-vllm")
             report["vllm_records"] = vllm.flush_tap()["records_published"]
         taus: dict[str, float] = {"start": tau(a.start_draft, held, 64)}
-        for name in ("parity-tide", "parity-vllm"):
+        for name in (*TIDE_RUNS, "parity-vllm"):
             state = work / name
             subprocess.run([str(tide), "train", "--kafka", kafka.bootstrap, "--workload", name, "--start-draft",
                             str(a.start_draft), "--state-dir", str(state), "--max-steps", str(a.steps),
@@ -95,6 +103,7 @@ def main() -> None:
             print(name, taus[name], flush=True)
     report["tau"] = taus
     report["vllm_over_tide"] = taus["parity-vllm"] / taus["parity-tide"]
+    report["tide_2_over_tide"] = taus["parity-tide-2"] / taus["parity-tide"]
     a.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
