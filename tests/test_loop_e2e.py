@@ -108,6 +108,56 @@ def improved_serves(url: str, client: MlflowClient, workload: str, factor: float
     )
 
 
+def wait_up(proc: subprocess.Popen[bytes], log: Path) -> float:
+    """Seconds until `tide up` printed its endpoints."""
+    start = time.monotonic()
+    while proc.poll() is None and "MLflow UI:" not in log.read_text():
+        assert time.monotonic() < start + 600, "the stack not up in 600 s:\n" + log.read_text()[-3000:]
+        time.sleep(1)
+    assert proc.poll() is None, log.read_text()[-3000:]
+    return time.monotonic() - start
+
+
+def learn(
+    proc: subprocess.Popen[bytes], data: Path, url: str, workload: str, client: MlflowClient
+) -> tuple[float, float, int]:
+    """French acceptance on the code draft; French traffic (capture on) until a clearly better French
+    draft serves; French acceptance on it, with the gate paused. Returns (before, after, requests)."""
+    fr = load_prompts(WORKLOADS / "chat_fr.jsonl")
+    evaluation = [p.messages for p in split(fr, "test")[:8] if p.messages]
+    traffic = [p.messages for p in split(fr, "train") if p.messages]
+    logs, log = data / "logs", data / "logs" / f"trainer-{workload}.log"
+    before = acceptance(url, workload, evaluation)  # French on the code draft
+    deadline, sent, stop = time.monotonic() + 900, [0], threading.Event()
+    with ThreadPoolExecutor(1) as background:
+        sending = background.submit(send_traffic, url, workload, traffic, stop, sent)
+        try:
+            # training goes on until a French draft clearly better than the code draft serves
+            while not improved_serves(url, client, workload):
+                assert proc.poll() is None, "the stack ended"
+                if sending.done():
+                    sending.result()  # its error
+                assert time.monotonic() < deadline, (
+                    f"no French draft 15% better than the code draft after {sent[0]} requests:\n"
+                    + log.read_text()[-2000:]
+                    + (logs / "gate.log").read_text()[-2000:]
+                )
+                time.sleep(2)
+        finally:
+            stop.set()
+        sending.result()
+    gate = json.loads((data / "stack.json").read_text())["processes"]["gate"]["pid"]
+    os.kill(gate, signal.SIGSTOP)  # no promotion while `after` is measured: one draft serves all of it
+    try:
+        time.sleep(3)  # one promoted just before is swapped in first (the node polls every 2 s)
+        served = drafts(url)[workload]
+        after = acceptance(url, workload, evaluation)  # French on a promoted French draft
+        assert drafts(url)[workload] == served
+    finally:
+        os.kill(gate, signal.SIGCONT)
+    return before, after, sent[0]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -120,9 +170,6 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
     from playwright.sync_api import sync_playwright
 
     workload = f"fr-{uuid.uuid4().hex[:6]}"
-    fr = load_prompts(WORKLOADS / "chat_fr.jsonl")
-    evaluation = [p.messages for p in split(fr, "test")[:8] if p.messages]
-    traffic = [p.messages for p in split(fr, "train") if p.messages]
     data, log = tmp_path / "stack", tmp_path / "up.log"
     port, ui_port = free_port(), free_port()
     # γ fixed, so acceptance is measured on every step; the trainer evaluates (and may publish) every
@@ -140,53 +187,20 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
     with tide_process(args, log, {"OMP_NUM_THREADS": "1"}) as proc:
         url, ui = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
         start = time.monotonic()
-        while proc.poll() is None and "MLflow UI:" not in log.read_text():
-            assert time.monotonic() < start + 600, "the stack not up in 600 s:\n" + log.read_text()[-3000:]
-            time.sleep(1)
-        assert proc.poll() is None, log.read_text()[-3000:]
-        up = time.monotonic() - start
+        up = wait_up(proc, log)
         text = log.read_text()
         assert f"HTTP endpoint: {url}/v1" in text and f"MLflow UI:     {ui}" in text
-        logs = data / "logs"
         client = MlflowClient(ui)
         # the starting (code) draft is the `default` workload's champion: the baseline to beat
         [default] = client.search_registered_models("name LIKE 'tide-draft-%-default'")
         assert client.get_model_version_by_alias(default.name, "champion")
-
-        before = acceptance(url, workload, evaluation)  # French on the code draft
-        deadline, sent, stop = time.monotonic() + 900, [0], threading.Event()
-        with ThreadPoolExecutor(1) as background:
-            sending = background.submit(send_traffic, url, workload, traffic, stop, sent)
-            try:
-                # training goes on until a French draft clearly better than the code draft serves
-                while not improved_serves(url, client, workload):
-                    assert proc.poll() is None, log.read_text()[-3000:]
-                    if sending.done():
-                        sending.result()  # its error
-                    assert time.monotonic() < deadline, (
-                        f"no French draft 15% better than the code draft after {sent[0]} requests:\n"
-                        + (logs / f"trainer-{workload}.log").read_text()[-2000:]
-                        + (logs / "gate.log").read_text()[-2000:]
-                    )
-                    time.sleep(2)
-            finally:
-                stop.set()
-            sending.result()
+        before, after, sent = learn(proc, data, url, workload, client)
         learnt = time.monotonic() - start
-        gate = json.loads((data / "stack.json").read_text())["processes"]["gate"]["pid"]
-        os.kill(gate, signal.SIGSTOP)  # no promotion while `after` is measured: one draft serves all of it
-        try:
-            time.sleep(3)  # one promoted just before is swapped in first (the node polls every 2 s)
-            served = drafts(url)[workload]
-            after = acceptance(url, workload, evaluation)  # French on a promoted French draft
-            assert drafts(url)[workload] == served
-        finally:
-            os.kill(gate, signal.SIGCONT)
         assert metric(url, "tide_draft_swaps_total") >= 1
         assert metric(url, "tide_capture_records_published_total") > 0
         ups = promoted(client, workload)
         last = ups[-1].tags
-        print(f"\nacceptance on {workload}: {before:.3f} -> {after:.3f} tokens/step after {sent[0]} requests; "
+        print(f"\nacceptance on {workload}: {before:.3f} -> {after:.3f} tokens/step after {sent} requests; "
               f"gate: {last['gate.reason']}; stack up at {up:.0f} s, draft learnt at {learnt:.0f} s")  # fmt: skip
         # greedy decoding of the same prompts: both figures are deterministic for a given draft
         assert after > before + 0.05, (before, after)
@@ -246,9 +260,6 @@ def test_tide_up_with_vllm_serving_learns_a_mismatched_workload(
     promotes a French draft, the vLLM node swaps it in without a restart and acceptance on French
     rises. (The stack's own parts, status, UI and Ctrl-C are the test above's: the engine changes none.)"""
     workload = f"fr-{uuid.uuid4().hex[:6]}"
-    fr = load_prompts(WORKLOADS / "chat_fr.jsonl")
-    evaluation = [p.messages for p in split(fr, "test")[:8] if p.messages]
-    traffic = [p.messages for p in split(fr, "train") if p.messages]
     data, log = tmp_path / "stack", tmp_path / "up.log"
     port, ui_port = free_port(), free_port()
     args = ["up", "--engine", "vllm", "--data", str(data), "--port", str(port), "--mlflow-port", str(ui_port),
@@ -257,47 +268,17 @@ def test_tide_up_with_vllm_serving_learns_a_mismatched_workload(
             "--train-args", "--eval-every 25 --checkpoint-every 25 --vocab-warmup 1024",
             "--gate-args", "--poll-seconds 3 --min-positions 128 --min-speedup 0"]  # fmt: skip
     with tide_process(args, log, {"OMP_NUM_THREADS": "1"}) as proc:
-        url, ui = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
+        url, client = f"http://127.0.0.1:{port}", MlflowClient(f"http://127.0.0.1:{ui_port}")
         start = time.monotonic()
-        while proc.poll() is None and "MLflow UI:" not in log.read_text():
-            assert time.monotonic() < start + 600, "the stack not up in 600 s:\n" + log.read_text()[-3000:]
-            time.sleep(1)
-        assert proc.poll() is None, log.read_text()[-3000:]
-        logs, client = data / "logs", MlflowClient(ui)
+        wait_up(proc, log)
         assert httpx.get(f"{url}/health", timeout=10).json()["engine"] == "vllm"
-        before = acceptance(url, workload, evaluation)  # French on the code draft
-        deadline, sent, stop = time.monotonic() + 900, [0], threading.Event()
-        with ThreadPoolExecutor(1) as background:
-            sending = background.submit(send_traffic, url, workload, traffic, stop, sent)
-            try:
-                while not improved_serves(url, client, workload):
-                    assert proc.poll() is None, log.read_text()[-3000:]
-                    if sending.done():
-                        sending.result()
-                    assert time.monotonic() < deadline, (
-                        f"no French draft 15% better than the code draft after {sent[0]} requests:\n"
-                        + (logs / f"trainer-{workload}.log").read_text()[-2000:]
-                        + (logs / "gate.log").read_text()[-2000:]
-                    )
-                    time.sleep(2)
-            finally:
-                stop.set()
-            sending.result()
+        before, after, sent = learn(proc, data, url, workload, client)
         learnt = time.monotonic() - start
-        gate = json.loads((data / "stack.json").read_text())["processes"]["gate"]["pid"]
-        os.kill(gate, signal.SIGSTOP)
-        try:
-            time.sleep(3)
-            served = drafts(url)[workload]
-            after = acceptance(url, workload, evaluation)  # French on a promoted French draft, in vLLM
-            assert drafts(url)[workload] == served
-        finally:
-            os.kill(gate, signal.SIGCONT)
         assert metric(url, "tide_draft_swaps_total") >= 1
         assert metric(url, "tide_capture_records_published_total") > 0
         ups = promoted(client, workload)
         print(f"\nvLLM serving: acceptance on {workload}: {before:.3f} -> {after:.3f} tokens/step after "
-              f"{sent[0]} requests; gate: {ups[-1].tags['gate.reason']}; draft learnt at {learnt:.0f} s")  # fmt: skip
+              f"{sent} requests; gate: {ups[-1].tags['gate.reason']}; draft learnt at {learnt:.0f} s")  # fmt: skip
         assert after > before + 0.05, (before, after)
         # a promoted French draft serves: trained on records only the vLLM node captured (it is the only node)
-        assert any(v.tags["draft_version"] == served for v in ups)
+        assert any(v.tags["draft_version"] == drafts(url)[workload] for v in ups)
