@@ -55,7 +55,6 @@ class VllmDrafts:
         self.start: Path = cfg.draft_dir  # the draft vLLM started with, exported
         self.version = self.cfg.draft_version
         self.since = spec_counters()
-        self.swaps = 0
         self._head: TargetHead | None = None
         self._work = Path(tempfile.mkdtemp(prefix="tide-vllm-drafts-"))
         self._serving: Path | None = None  # the exported folder of the last draft swapped in
@@ -102,7 +101,6 @@ class VllmDrafts:
                 shutil.rmtree(self._serving, ignore_errors=True)
             self._serving = folder if draft is not None else None
             self.version, self.since = version, spec_counters()
-            self.swaps += 1
             log.info("vLLM serves draft %s for %s", version, workload)
 
     def _export(self, draft: Eagle3Draft) -> tuple[Path, str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, fields
@@ -23,8 +22,6 @@ from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.metrics import CaptureCollector, SyncCollector
 from tide.serving.vllm_adapter.config import NODE_ENV, VllmConfig
 from tide.serving.vllm_adapter.drafts import VllmDrafts
-
-log = logging.getLogger("tide.serving.vllm")
 
 
 class _DraftCollector(Collector):
