@@ -1,15 +1,15 @@
 """Do drafts trained on vLLM's records learn as much as drafts trained on TIDE's?
 
-`python scripts/vllm_capture_parity.py --start-draft DIR [--requests 96] [--steps 400] --out report.json`
+`python scripts/vllm_capture_parity.py --start-draft DIR [--requests 96] [--steps 400] [--seeds 0 1 2] --out report.json`
 
-One traffic, served with capture on into a real broker: twice by TIDE's engine under other request
-ids (workloads `parity-tide` and `parity-tide-2`: the control, since ids decide which requests
-trainers hold out) and once by vLLM with the tap (`parity-vllm`), all in bf16 with the same start
-draft at γ 3, greedy, the same prompts (chat_fr, train part) and `--max-new-tokens`. Then `tide
-train` runs `--steps` steps on each topic from the start draft, alike in every flag, and each
-draft's held-out τ is measured the same way: tokens per step in TIDE's engine (fp32, γ 3, greedy)
-on chat_fr's test part, which no trainer saw. Needs `.venv-vllm` (`make vllm`). Takes about 35
-minutes on 2 cores.
+One traffic, served with capture on into a real broker: once by TIDE's engine (workload
+`parity-tide`) and once by vLLM with the tap (`parity-vllm`), both in bf16 with the same start draft
+at γ 3, greedy, the same prompts (chat_fr, train part) and `--max-new-tokens`. Then `tide train`
+runs `--steps` steps on each topic from the start draft once per seed, alike in every flag, and each
+draft's held-out τ is measured the same way: tokens per step in TIDE's engine (fp32, γ 3, greedy) on
+chat_fr's test part, which no trainer saw. A seed fixes which examples the trainer samples, so the
+two sources are compared seed by seed; the spread over seeds is the noise the ratio is read against.
+Needs `.venv-vllm` (`make vllm`). Takes about 45 minutes on 2 cores with three seeds.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tide.trainers.checkpoint import checkpoints_dir, current_checkpoint
 from tide.trainers.export import export_speculators
 
 GAMMA = 3
-TIDE_RUNS = ("parity-tide", "parity-tide-2")
+SOURCES = ("parity-tide", "parity-vllm")
 WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 
 
@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     fr = load_prompts(WORKLOADS / "chat_fr.jsonl")
@@ -65,45 +66,46 @@ def main() -> None:
     traffic = [p.token_ids(bf16.tok)[-200:] for p in split(fr, "train")[: a.requests]]
     held = [p.token_ids(bf16.tok)[-200:] for p in split(fr, "test")[: a.eval_prompts]]
     tide = Path(sys.executable).parent / "tide"
-    report: dict[str, object] = {"requests": len(traffic), "steps": a.steps, "gamma": GAMMA}
+    report: dict[str, object] = {"requests": len(traffic), "steps": a.steps, "gamma": GAMMA, "seeds": a.seeds,
+                                 "eval_prompts": len(held)}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tide-parity-") as tmp, KafkaBroker(Path(tmp) / "kafka") as kafka:
         work = Path(tmp)
-        for workload in TIDE_RUNS:
-            publisher = RecordPublisher(PublisherConfig(kafka.bootstrap, "int8-g64"), bf16.fingerprint)
-            engine = Engine(
-                bf16, None, EngineConfig(max_batch=8, max_model_len=1024, gamma=GAMMA), tap=publisher
-            )
-            engine.load_draft(a.start_draft)
-            for i, p in enumerate(traffic):
-                engine.add(
-                    p, SamplingParams(max_tokens=a.max_new_tokens), f"{workload}-{i}", workload=workload
-                )
-            while engine.has_work:
-                engine.step()
-            publisher.close()
-            report[f"{workload}_records"] = publisher.stats.records_published
+        publisher = RecordPublisher(PublisherConfig(kafka.bootstrap, "int8-g64"), bf16.fingerprint)
+        engine = Engine(bf16, None, EngineConfig(max_batch=8, max_model_len=1024, gamma=GAMMA), tap=publisher)
+        engine.load_draft(a.start_draft)
+        for i, p in enumerate(traffic):
+            engine.add(p, SamplingParams(max_tokens=a.max_new_tokens), f"tide-{i}", workload=SOURCES[0])
+        while engine.has_work:
+            engine.step()
+        publisher.close()
+        report["tide_records"] = publisher.stats.records_published
         folder, fp = write_hf_folder(None)
         spec = export_speculators(a.start_draft, work / "spec", verifier_name_or_path=str(folder),
                                   speculative_tokens=GAMMA)  # fmt: skip
         cfg = VllmConfig(folder, spec, GAMMA, "bfloat16", 1024, 8, torch.get_num_threads(),
                          tap=TapConfig(kafka.bootstrap, fp))  # fmt: skip
         with VllmProcess(cfg) as vllm:
-            vllm.generate(traffic, a.max_new_tokens, workload="parity-vllm")
+            vllm.generate(traffic, a.max_new_tokens, workload=SOURCES[1])
             report["vllm_records"] = vllm.flush_tap()["records_published"]
-        taus: dict[str, float] = {"start": tau(a.start_draft, held, 64)}
-        for name in (*TIDE_RUNS, "parity-vllm"):
-            state = work / name
-            subprocess.run([str(tide), "train", "--kafka", kafka.bootstrap, "--workload", name, "--start-draft",
-                            str(a.start_draft), "--state-dir", str(state), "--max-steps", str(a.steps),
-                            "--idle-seconds", "600", "--checkpoint-every", str(a.steps), "--eval-every", "100"],
-                           check=True)  # fmt: skip
-            ckpt = current_checkpoint(checkpoints_dir(state))
-            assert ckpt is not None, f"{name}: no checkpoint"
-            taus[name] = tau(ckpt / "draft", held, 64)
-            print(name, taus[name], flush=True)
-    report["tau"] = taus
-    report["vllm_over_tide"] = taus["parity-vllm"] / taus["parity-tide"]
-    report["tide_2_over_tide"] = taus["parity-tide-2"] / taus["parity-tide"]
+        start = tau(a.start_draft, held, 64)
+        taus: dict[str, list[float]] = {}
+        for name in SOURCES:
+            taus[name] = []
+            for seed in a.seeds:
+                state = work / f"{name}-{seed}"
+                subprocess.run([str(tide), "train", "--kafka", kafka.bootstrap, "--workload", name, "--start-draft",
+                                str(a.start_draft), "--state-dir", str(state), "--max-steps", str(a.steps),
+                                "--idle-seconds", "600", "--checkpoint-every", str(a.steps), "--eval-every", "100",
+                                "--seed", str(seed)], check=True)  # fmt: skip
+                ckpt = current_checkpoint(checkpoints_dir(state))
+                assert ckpt is not None, f"{name} seed {seed}: no checkpoint"
+                taus[name].append(tau(ckpt / "draft", held, 64))
+                print(name, seed, taus[name][-1], flush=True)
+    report["tau"] = {"start": start, **taus}
+    t = {name: torch.tensor(v) for name, v in taus.items()}
+    report["vllm_over_tide_by_seed"] = (t["parity-vllm"] / t["parity-tide"]).tolist()
+    report["vllm_over_tide"] = float(t["parity-vllm"].mean() / t["parity-tide"].mean())
+    report["spread_over_seeds"] = {name: float((v.max() - v.min()) / v.mean()) for name, v in t.items()}
     a.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

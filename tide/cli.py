@@ -207,10 +207,12 @@ def train_online(
         "--replay-when-idle/--no-replay-when-idle",
         help="train on the replay buffer while no record comes",
     ),
+    seed: int = typer.Option(0, "--seed", help="seeds which examples each step samples"),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """Train a workload's draft from its Kafka topic; publish candidates to MLflow."""
     bound_kernel_cache()
+    import random
     import signal
     import threading
     from dataclasses import asdict
@@ -227,6 +229,8 @@ def train_online(
         check_workload(workload)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--workload") from None
+    random.seed(seed)
+    torch.manual_seed(seed)
     with _clear_errors():
         head = load_head(model)
         state = state_dir or cache_dir() / "trainers" / head.fingerprint[:12] / workload
@@ -807,6 +811,9 @@ def bench_shift(
     ),
     out: Path = typer.Option(Path("out/bench_shift.json"), "--out"),
     plot: Path | None = typer.Option(None, "--plot", help="PNG: throughput ratio and acceptance over time"),
+    engine: str = typer.Option(
+        "tide", "--engine", help="vllm: the three systems are vLLM servers (`make vllm` installs it)"
+    ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """No speculation, a static draft and TIDE (the whole loop live) through a workload shift."""
@@ -819,7 +826,9 @@ def bench_shift(
             raise typer.BadParameter(f"no such prompt file: {f}", param_hint="--schedule")
     cfg = ShiftBenchConfig(files, static_draft, phase_seconds=phase_seconds, slot_seconds=slot_seconds,
                            window_seconds=window_seconds, max_batch=max_batch, max_new_tokens=max_new_tokens,
-                           model=model, work_dir=work_dir, dtype=_dtype(dtype))  # fmt: skip
+                           model=model, work_dir=work_dir, dtype=_dtype(dtype), engine=engine)  # fmt: skip
+    if engine not in ("tide", "vllm"):
+        raise typer.BadParameter("tide or vllm", param_hint="--engine")
     with _clear_errors():
         report = run_shift_bench(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)

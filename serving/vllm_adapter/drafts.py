@@ -55,7 +55,10 @@ class VllmDrafts:
         self.start: Path = cfg.draft_dir  # the draft vLLM started with, exported
         self.version = self.cfg.draft_version
         self.since = spec_counters()
-        self._head: TargetHead | None = None
+        # what a downloaded draft is checked against; a node told the wrong target does not start
+        self.head: TargetHead = load_head(cfg.model_dir)
+        if self.head.fingerprint != self.fingerprint:
+            raise ValueError(f"{cfg.model_dir} is not the target {self.fingerprint[:12]} the node follows")
         self._work = Path(tempfile.mkdtemp(prefix="tide-vllm-drafts-"))
         self._serving: Path | None = None  # the exported folder of the last draft swapped in
         self._exports = itertools.count()
@@ -72,17 +75,8 @@ class VllmDrafts:
     def workloads(self) -> set[str]:
         return {self.follow.workload}
 
-    def _target(self) -> TargetHead:
-        if self._head is None:  # read once, when the first version comes
-            head = load_head(self.cfg.model_dir)
-            if head.fingerprint != self.fingerprint:
-                raise RuntimeError(f"{self.cfg.model_dir} is not the target {self.fingerprint[:12]}")
-            self._head = head
-        return self._head
-
     def read_draft(self, path: str | Path) -> Eagle3Draft:
-        head = self._target()
-        return Eagle3Draft.load(path, head.embed, head.config, self.fingerprint, torch.float32)
+        return Eagle3Draft.load(path, self.head.embed, self.head.config, self.fingerprint, torch.float32)
 
     def set_draft(
         self, draft: Eagle3Draft | None, workload: str = "default", expected: dict[int, float] | None = None

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from tide.serving.capture import DEFAULT_WORKLOAD
-from tide.serving.vllm_adapter.config import WORKER_EXTENSION, VllmConfig, VllmUnavailable, environment
+from tide.serving.vllm_adapter.config import (
+    NODE_ENV,
+    WORKER_EXTENSION,
+    VllmConfig,
+    VllmUnavailable,
+    environment,
+)
 
 
 @dataclass
@@ -42,10 +48,9 @@ class VllmProcess:
     """A vLLM engine in its own process (its own virtualenv); `generate` sends it token ids."""
 
     def __init__(self, cfg: VllmConfig):
-        python, env = environment(cfg)
-        spec = json.dumps(asdict(cfg), default=str)  # paths as strings
+        python, env = environment(cfg)  # the config travels in it (`NODE_ENV`)
         self.proc = subprocess.Popen(
-            [str(python), "-m", "tide.serving.vllm_adapter.process", spec],
+            [str(python), "-m", "tide.serving.vllm_adapter.process"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -128,26 +133,26 @@ def _spec_counters(llm: Any) -> tuple[int, int, list[int]]:
     return drafts, tokens, by_position
 
 
-def _serve(cfg: dict[str, Any], requests: IO[str], replies: IO[str]) -> None:
+def _serve(cfg: VllmConfig, requests: IO[str], replies: IO[str]) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     spec = None
-    if cfg["draft_dir"] is not None:
-        spec = {"method": "eagle3", "model": cfg["draft_dir"], "num_speculative_tokens": cfg["gamma"]}
-    tap = cfg.get("tap")
+    if cfg.draft_dir is not None:
+        spec = {"method": "eagle3", "model": str(cfg.draft_dir), "num_speculative_tokens": cfg.gamma}
+    tap = cfg.tap
     llm = LLM(
-        model=cfg["model_dir"],
-        dtype=cfg["dtype"],
-        max_model_len=cfg["max_model_len"],
-        max_num_seqs=cfg["max_num_seqs"],
+        model=str(cfg.model_dir),
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
         speculative_config=spec,
         enforce_eager=True,  # torch.compile on CPU takes minutes per shape, and the shapes vary
         disable_log_stats=False,  # the speculation counters are stats
         seed=0,
         worker_extension_cls=WORKER_EXTENSION if spec else "",
     )
-    if tap:
-        llm.collective_rpc("tide_attach_tap", args=(json.dumps(tap),))
+    if tap is not None:
+        llm.collective_rpc("tide_attach_tap", args=(json.dumps(asdict(tap)),))
 
     def reply(obj: dict[str, Any]) -> None:
         replies.write(json.dumps(obj) + "\n")
@@ -158,7 +163,7 @@ def _serve(cfg: dict[str, Any], requests: IO[str], replies: IO[str]) -> None:
         try:
             req = json.loads(line)
             if req.get("flush"):
-                reply({"tap": llm.collective_rpc("tide_flush_tap")[0] if tap else {}})
+                reply({"tap": llm.collective_rpc("tide_flush_tap")[0] if tap is not None else {}})
                 continue
             if "draft" in req:
                 llm.collective_rpc("tide_load_draft", args=(req["draft"],))
@@ -194,7 +199,7 @@ def main() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # everything else printed, by vLLM or its engine process, goes to stderr
     sys.stdout = sys.stderr
-    cfg = json.loads(sys.argv[1])
+    cfg = VllmConfig.from_json(os.environ[NODE_ENV])
     try:
         _serve(cfg, sys.stdin, replies)
     except Exception as e:

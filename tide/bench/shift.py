@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ class ShiftBenchConfig:
     # removed after the run (an hour's captured hidden states run to gigabytes)
     work_dir: Path | None = None
     end_seconds: float = 120.0  # "by the end of a phase": its last this many seconds
+    engine: str = "tide"  # or "vllm": the three systems are vLLM servers (`tide.bench.shift_vllm`)
 
 
 @dataclass
@@ -94,13 +95,26 @@ def request_id(workload: str, i: int, n: int) -> str:
 
 
 @dataclass
-class System:
+class Track:
+    """One system's part of the run: where it is in each workload's prompts, and what it served."""
+
     name: str
-    engine: Engine
-    capture: CapturePolicy | None = None
     cursor: dict[str, int] = field(default_factory=dict)  # next request of each workload
     started: Counter[int] = field(default_factory=Counter)  # requests started in each phase
     slots: list[Slot] = field(default_factory=list)
+
+    def next_request(self, phase: int, workload: str, prompts: list[list[int]]) -> tuple[str, list[int]]:
+        """A workload that comes back goes on through its prompts where it stopped."""
+        i = self.cursor.get(workload, 0)
+        self.cursor[workload] = i + 1
+        self.started[phase] += 1
+        return request_id(workload, i, len(prompts)), prompts[i % len(prompts)]
+
+
+@dataclass(kw_only=True)
+class System(Track):
+    engine: Engine
+    capture: CapturePolicy | None = None
 
     def serve(
         self, phase: int, workload: str, prompts: list[list[int]], t0: float, seconds: float,
@@ -112,12 +126,7 @@ class System:
         tokens = decoded = 0
         while time.perf_counter() - start < seconds:
             while len(e.running) + len(e.waiting) < e.cfg.max_batch:
-                # a workload that comes back goes on through its prompts where it stopped
-                i = self.cursor.get(workload, 0)
-                self.cursor[workload] = i + 1
-                self.started[phase] += 1
-                rid = request_id(workload, i, len(prompts))
-                prompt = prompts[i % len(prompts)]
+                rid, prompt = self.next_request(phase, workload, prompts)
                 d = (
                     self.capture.decide(WORKLOAD, False, rid, prompt)
                     if self.capture
@@ -184,7 +193,32 @@ def _serve_shift(cfg: ShiftBenchConfig, work: Path) -> dict[str, Any]:
              for p in split(load_prompts(path), "test" if path == cfg.schedule[0] else "all") or load_prompts(path)]
             for path in cfg.schedule
         ]  # fmt: skip
+        if cfg.engine == "vllm":
+            from tide.bench.shift_vllm import run_vllm  # it builds on this module
+
+            return run_vllm(cfg, target, phases, work, kafka, mlflow, serving_cores, training_cores)
         return _run(cfg, target, phases, work, kafka, mlflow, serving_cores, training_cores)
+
+
+def spawn_tide(args: list[str], log: Path, cores: set[int]) -> subprocess.Popen[bytes]:
+    """A `tide` command in its own session, pinned to `cores`, one thread per core, logging to `log`."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
+    with log.open("wb") as out:
+        return subprocess.Popen([str(Path(sys.executable).parent / "tide"), *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=lambda: _pin(cores))  # fmt: skip
+
+
+def start_learning(
+    work: Path, kafka: KafkaBroker, mlflow: MlflowServer, cores: set[int], gate_args: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
+    """`tide train` and `tide gate` on the `default` workload, on the training core."""
+    trainer = spawn_tide(["train", "--kafka", kafka.bootstrap, "--workload", WORKLOAD, "--mlflow", mlflow.url,
+                          "--state-dir", str(work / "trainer"), "--eval-every", "50", "--checkpoint-every", "40",
+                          "--vocab-warmup", "1024"], work / "trainer.log", cores)  # fmt: skip
+    gate = spawn_tide(["gate", "--mlflow", mlflow.url, "--kafka", kafka.bootstrap, "--poll-seconds", "5",
+                       "--min-positions", "256", *gate_args], work / "gate.log", cores)  # fmt: skip
+    return trainer, gate
 
 
 def _draft(target: Target, folder: Path) -> Eagle3Draft:
@@ -213,8 +247,10 @@ def _run(
     def engine_cfg(gamma: int, max_gamma: int = 8) -> EngineConfig:
         return EngineConfig(max_batch=cfg.max_batch, max_model_len=length, gamma=gamma, max_gamma=max_gamma)
 
-    nospec = System("nospec", Engine(target, None, engine_cfg(0)))
-    static = System("static", Engine(target, _draft(target, cfg.static_draft), engine_cfg(cfg.static_gamma)))
+    nospec = System("nospec", engine=Engine(target, None, engine_cfg(0)))
+    static = System(
+        "static", engine=Engine(target, _draft(target, cfg.static_draft), engine_cfg(cfg.static_gamma))
+    )
 
     # TIDE's background threads (librdkafka's, the publisher's, the draft sync's) are host work on a
     # serving node with an accelerator: they start on the host's stand-in, the training core
@@ -239,22 +275,10 @@ def _run(
     publisher, sync, controller = node.publisher, node.sync, node.engine.controller
     capture = CapturePolicy({"*": CaptureRule(auto=True)})
     node.advise(capture)
-    tide = System("tide", node.engine, capture)
+    tide = System("tide", engine=node.engine, capture=capture)
     systems = [nospec, static, tide]
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    tide_bin = str(Path(sys.executable).parent / "tide")
-
-    def spawn(args: list[str], log: str) -> subprocess.Popen[bytes]:
-        with (work / log).open("wb") as out:
-            return subprocess.Popen([tide_bin, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=lambda: _pin(training_cores))  # fmt: skip
-
-    trainer = spawn(["train", "--kafka", kafka.bootstrap, "--workload", WORKLOAD, "--mlflow", mlflow.url,
-                     "--state-dir", str(work / "trainer"), "--eval-every", "50", "--checkpoint-every", "40",
-                     "--vocab-warmup", "1024"], "trainer.log")  # fmt: skip
-    gate = spawn(["gate", "--mlflow", mlflow.url, "--kafka", kafka.bootstrap, "--poll-seconds", "5",
-                  "--min-positions", "256"], "gate.log")  # fmt: skip
+    trainer, gate = start_learning(work, kafka, mlflow, training_cores)
     params = SamplingParams(max_tokens=cfg.max_new_tokens)
     events: list[dict[str, Any]] = []
     # the controller's state after each round: why TIDE drafted (or not) in each window
@@ -297,13 +321,13 @@ def _run(
         for proc in (trainer, gate):
             proc.terminate()
             proc.wait(30)
-    return _report(cfg, systems, events, controller.snapshot(), publisher.stats.records_published,
+    return shift_report(cfg, systems, events, controller.snapshot(), publisher.stats.records_published,
                    [len(ph) for ph in phases], states)  # fmt: skip
 
 
-def _report(
+def shift_report(
     cfg: ShiftBenchConfig,
-    systems: list[System],
+    systems: Sequence[Track],
     events: list[dict[str, Any]],
     controller: dict[str, Any],
     records: int,
@@ -316,7 +340,7 @@ def _report(
     for p, path in enumerate(cfg.schedule):
         lo, hi = p * cfg.phase_seconds, (p + 1) * cfg.phase_seconds
 
-        def within(s: System, a: float, b: float) -> list[Slot]:
+        def within(s: Track, a: float, b: float) -> list[Slot]:
             return [x for x in s.slots if a <= x.start < b]
 
         base = _tokens_per_s(within(nospec, lo, hi))
@@ -385,6 +409,7 @@ def _report(
             "static_gamma": cfg.static_gamma,
             "dtype": str(cfg.dtype).removeprefix("torch."),
             "static_draft": str(cfg.static_draft),
+            "engine": cfg.engine,
         },
         "phases": phases,
         "windows": windows,
