@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 from confluent_kafka.admin import AdminClient
 from typer.testing import CliRunner
 
@@ -155,3 +156,23 @@ def test_vllm_node_follows_the_registry(
         assert reg.alias("champion") == str(noisy.version)
         assert metric(url, "tide_draft_swaps_total") >= 2
         assert metric(url, "vllm:spec_decode_num_drafts_total") > 0  # vLLM's own metrics are still there
+
+
+def test_a_vllm_node_told_another_target_does_not_start(trained_draft_dir: Path) -> None:
+    """Its drafts are checked against the HF folder it serves: a fingerprint that is not that
+    folder's would refuse every version, so the node refuses to start instead."""
+    import asyncio
+
+    from tide.models.hf_folder import write_hf_folder
+    from tide.serving.vllm_adapter.config import FollowConfig, VllmConfig
+    from tide.serving.vllm_adapter.drafts import VllmDrafts
+
+    folder, fp = write_hf_folder(None)
+    other = "0" * len(fp)
+    cfg = VllmConfig(folder, trained_draft_dir, follow=FollowConfig("http://127.0.0.1:1", "n", other, "/tmp"))
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ValueError, match="is not the target"):
+            VllmDrafts(cfg, None, loop)
+    finally:
+        loop.close()

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -47,6 +47,10 @@ from tide.serving.draft_sync import SyncConfig
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.node import NodeConfig, ServingNode
 from tide.serving.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities.model_registry import ModelVersion
 
 WORKLOAD = "default"
 AGAIN = "-again"  # in the id of a request whose prompt came before
@@ -168,6 +172,31 @@ def _pin(cores: set[int]) -> None:
         os.sched_setaffinity(0, cores)
 
 
+@dataclass
+class Setting:
+    """What a run starts from: its services and cores, the target, each phase's prompts."""
+
+    cfg: ShiftBenchConfig
+    target: Target
+    phases: list[list[list[int]]]
+    work: Path
+    kafka: KafkaBroker
+    mlflow: MlflowServer
+    serving_cores: set[int]
+    training_cores: set[int]
+
+    @property
+    def max_model_len(self) -> int:
+        return max(len(p) for ph in self.phases for p in ph) + self.cfg.max_new_tokens + 16
+
+    def register_static(self, client: MlflowClient) -> ModelVersion:
+        """The static draft, registered as the `default` workload's champion: the draft to beat."""
+        start = register_folder(client, self.target.fingerprint, WORKLOAD, self.cfg.static_draft,
+                                {"bench": "static draft"})  # fmt: skip
+        client.set_registered_model_alias(start.name, CHAMPION, start.version)
+        return start
+
+
 def run_shift_bench(cfg: ShiftBenchConfig) -> dict[str, Any]:
     if cfg.work_dir is None:
         with tempfile.TemporaryDirectory(prefix="tide-shift-") as tmp:
@@ -193,11 +222,12 @@ def _serve_shift(cfg: ShiftBenchConfig, work: Path) -> dict[str, Any]:
              for p in split(load_prompts(path), "test" if path == cfg.schedule[0] else "all") or load_prompts(path)]
             for path in cfg.schedule
         ]  # fmt: skip
+        setting = Setting(cfg, target, phases, work, kafka, mlflow, serving_cores, training_cores)
         if cfg.engine == "vllm":
             from tide.bench.shift_vllm import run_vllm  # it builds on this module
 
-            return run_vllm(cfg, target, phases, work, kafka, mlflow, serving_cores, training_cores)
-        return _run(cfg, target, phases, work, kafka, mlflow, serving_cores, training_cores)
+            return run_vllm(setting)
+        return _run(setting)
 
 
 def spawn_tide(args: list[str], log: Path, cores: set[int]) -> subprocess.Popen[bytes]:
@@ -210,13 +240,19 @@ def spawn_tide(args: list[str], log: Path, cores: set[int]) -> subprocess.Popen[
 
 
 def start_learning(
-    work: Path, kafka: KafkaBroker, mlflow: MlflowServer, cores: set[int], gate_args: tuple[str, ...] = ()
+    setting: Setting, gate_args: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
     """`tide train` and `tide gate` on the `default` workload, on the training core."""
-    trainer = spawn_tide(["train", "--kafka", kafka.bootstrap, "--workload", WORKLOAD, "--mlflow", mlflow.url,
+    work, kafka, mlflow, cores = (
+        setting.work,
+        setting.kafka.bootstrap,
+        setting.mlflow.url,
+        setting.training_cores,
+    )
+    trainer = spawn_tide(["train", "--kafka", kafka, "--workload", WORKLOAD, "--mlflow", mlflow,
                           "--state-dir", str(work / "trainer"), "--eval-every", "50", "--checkpoint-every", "40",
                           "--vocab-warmup", "1024"], work / "trainer.log", cores)  # fmt: skip
-    gate = spawn_tide(["gate", "--mlflow", mlflow.url, "--kafka", kafka.bootstrap, "--poll-seconds", "5",
+    gate = spawn_tide(["gate", "--mlflow", mlflow, "--kafka", kafka, "--poll-seconds", "5",
                        "--min-positions", "256", *gate_args], work / "gate.log", cores)  # fmt: skip
     return trainer, gate
 
@@ -226,23 +262,16 @@ def _draft(target: Target, folder: Path) -> Eagle3Draft:
     return Eagle3Draft.load(folder, m.embed_tokens, target.config, target.fingerprint, m.dtype)
 
 
-def _run(
-    cfg: ShiftBenchConfig,
-    target: Target,
-    phases: list[list[list[int]]],
-    work: Path,
-    kafka: KafkaBroker,
-    mlflow: MlflowServer,
-    serving_cores: set[int],
-    training_cores: set[int],
-) -> dict[str, Any]:
+def _run(setting: Setting) -> dict[str, Any]:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
+    cfg, target, phases, work, kafka, mlflow = (setting.cfg, setting.target, setting.phases, setting.work,
+                                                setting.kafka, setting.mlflow)  # fmt: skip
+    serving_cores, training_cores = setting.serving_cores, setting.training_cores
     client = MlflowClient(mlflow.url)
-    start = register_folder(client, target.fingerprint, WORKLOAD, cfg.static_draft, {"bench": "static draft"})
-    client.set_registered_model_alias(start.name, CHAMPION, start.version)
-    length = max(len(p) for ph in phases for p in ph) + cfg.max_new_tokens + 16
+    start = setting.register_static(client)
+    length = setting.max_model_len
 
     def engine_cfg(gamma: int, max_gamma: int = 8) -> EngineConfig:
         return EngineConfig(max_batch=cfg.max_batch, max_model_len=length, gamma=gamma, max_gamma=max_gamma)
@@ -278,7 +307,7 @@ def _run(
     tide = System("tide", engine=node.engine, capture=capture)
     systems = [nospec, static, tide]
 
-    trainer, gate = start_learning(work, kafka, mlflow, training_cores)
+    trainer, gate = start_learning(setting)
     params = SamplingParams(max_tokens=cfg.max_new_tokens)
     events: list[dict[str, Any]] = []
     # the controller's state after each round: why TIDE drafted (or not) in each window

@@ -23,19 +23,24 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from tide.bench.shift import WORKLOAD, ShiftBenchConfig, Slot, Track, shift_report, spawn_tide, start_learning
-from tide.infra.kafka.broker import KafkaBroker
-from tide.infra.mlflow.server import MlflowServer
+from tide.bench.shift import (
+    WORKLOAD,
+    Setting,
+    ShiftBenchConfig,
+    Slot,
+    Track,
+    shift_report,
+    spawn_tide,
+    start_learning,
+)
 from tide.infra.process import free_port, log_tail, stop_group, wait_http_ok
-from tide.models.loader import Target
-from tide.registry.store import CHAMPION, register_folder
+from tide.registry.store import CHAMPION
 from tide.registry.tags import VersionTags
 
 START_TIMEOUT_S = 900.0  # three vLLM servers start one after another on the serving core
@@ -85,23 +90,13 @@ class VllmSystem(Track):
                                int(d["draft_tokens"])))  # fmt: skip
 
 
-def run_vllm(
-    cfg: ShiftBenchConfig,
-    target: Target,
-    phases: list[list[list[int]]],
-    work: Path,
-    kafka: KafkaBroker,
-    mlflow: MlflowServer,
-    serving_cores: set[int],
-    training_cores: set[int],
-) -> dict[str, Any]:
+def run_vllm(setting: Setting) -> dict[str, Any]:
     from mlflow import MlflowClient
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    cfg, work, kafka, mlflow = setting.cfg, setting.work, setting.kafka, setting.mlflow
     client = MlflowClient(mlflow.url)
-    start = register_folder(client, target.fingerprint, WORKLOAD, cfg.static_draft, {"bench": "static draft"})
-    client.set_registered_model_alias(start.name, CHAMPION, start.version)
-    length = max(len(p) for ph in phases for p in ph) + cfg.max_new_tokens + 16
+    start = setting.register_static(client)
     dtype = str(cfg.dtype).removeprefix("torch.")
     draft = ["--draft", str(cfg.static_draft), "--gamma", str(cfg.static_gamma)]
     servers = {
@@ -117,16 +112,18 @@ def run_vllm(
         systems: list[VllmSystem] = []
         for name, args in servers.items():
             port = free_port()
-            procs.append(spawn_tide(["serve", "--engine", "vllm", "--port", str(port), "--dtype", dtype,
-                                     "--max-batch", str(cfg.max_batch), "--max-model-len", str(length), *args],
-                                    work / f"{name}.log", serving_cores))  # fmt: skip
+            procs.append(spawn_tide(["serve", "--engine", "vllm", "--port", str(port), "--dtype", dtype, "--max-batch",
+                                     str(cfg.max_batch), "--max-model-len", str(setting.max_model_len), *args],
+                                    work / f"{name}.log", setting.serving_cores))  # fmt: skip
             systems.append(VllmSystem(name, url=f"http://127.0.0.1:{port}", http=http))
             wait_http_ok(f"{systems[-1].url}/health", procs[-1], START_TIMEOUT_S, f"the {name} vLLM server",
                          functools.partial(log_tail, work / f"{name}.log"))  # fmt: skip
-        procs += start_learning(work, kafka, mlflow, training_cores, ("--gamma", str(cfg.static_gamma)))
-        events = _serve(cfg, systems, phases, lambda: client.get_model_version_by_alias(start.name, CHAMPION))
+        procs += start_learning(setting, ("--gamma", str(cfg.static_gamma)))
+        events = _serve(
+            cfg, systems, setting.phases, lambda: client.get_model_version_by_alias(start.name, CHAMPION)
+        )
         records = int(systems[2].counters()["records"])
-    return shift_report(cfg, systems, events, {}, records, [len(ph) for ph in phases], [])
+    return shift_report(cfg, systems, events, {}, records, [len(ph) for ph in setting.phases], [])
 
 
 def _serve(
