@@ -22,10 +22,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+from confluent_kafka.admin import AdminClient
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.hf_folder import write_hf_folder
 from tide.models.loader import load_target
+from tide.names import trainer_group
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.prompts import load_prompts, split
 from tide.serving.engine import Engine, EngineConfig
@@ -92,6 +94,10 @@ def main() -> None:
         for name in SOURCES:
             taus[name] = []
             for seed in a.seeds:
+                # each seed reads the topic from its start: the trainer's group forgets the last one's offsets
+                AdminClient({"bootstrap.servers": kafka.bootstrap}).delete_consumer_groups(
+                    [trainer_group(name)]
+                )
                 state = work / f"{name}-{seed}"
                 subprocess.run([str(tide), "train", "--kafka", kafka.bootstrap, "--workload", name, "--start-draft",
                                 str(a.start_draft), "--state-dir", str(state), "--max-steps", str(a.steps),
