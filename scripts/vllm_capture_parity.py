@@ -91,23 +91,26 @@ def main() -> None:
             report["vllm_records"] = vllm.flush_tap()["records_published"]
         start = tau(a.start_draft, held, 64)
         taus: dict[str, list[float]] = {}
+        steps: dict[str, list[int]] = {}  # trained, by seed: a run cut short is not comparable
         for name in SOURCES:
-            taus[name] = []
-            for seed in a.seeds:
-                # each seed reads the topic from its start: the trainer's group forgets the last one's offsets
-                AdminClient({"bootstrap.servers": kafka.bootstrap}).delete_consumer_groups(
-                    [trainer_group(name)]
-                )
+            taus[name], steps[name] = [], []
+            for i, seed in enumerate(a.seeds):
+                if i:  # each seed reads the topic from its start: the trainer's group forgets the offsets
+                    admin = AdminClient({"bootstrap.servers": kafka.bootstrap})
+                    admin.delete_consumer_groups([trainer_group(name)])[trainer_group(name)].result(60)
                 state = work / f"{name}-{seed}"
-                subprocess.run([str(tide), "train", "--kafka", kafka.bootstrap, "--workload", name, "--start-draft",
+                # --idle-seconds counts replayed steps as idle: long enough that --max-steps ends every run
+                run = subprocess.run([str(tide), "train", "--kafka", kafka.bootstrap, "--workload", name, "--start-draft",
                                 str(a.start_draft), "--state-dir", str(state), "--max-steps", str(a.steps),
-                                "--idle-seconds", "600", "--checkpoint-every", str(a.steps), "--eval-every", "100",
-                                "--seed", str(seed)], check=True)  # fmt: skip
+                                "--idle-seconds", "3600", "--checkpoint-every", str(a.steps), "--eval-every", "100",
+                                "--seed", str(seed)], check=True, stdout=subprocess.PIPE, text=True)  # fmt: skip
+                steps[name].append(json.loads(run.stdout.strip().splitlines()[-1])["steps"])
                 ckpt = current_checkpoint(checkpoints_dir(state))
                 assert ckpt is not None, f"{name} seed {seed}: no checkpoint"
                 taus[name].append(tau(ckpt / "draft", held, 64))
                 print(name, seed, taus[name][-1], flush=True)
     report["tau"] = {"start": start, **taus}
+    report["steps_trained"] = steps
     t = {name: torch.tensor(v) for name, v in taus.items()}
     report["vllm_over_tide_by_seed"] = (t["parity-vllm"] / t["parity-tide"]).tolist()
     report["vllm_over_tide"] = float(t["parity-vllm"].mean() / t["parity-tide"].mean())
