@@ -9,7 +9,7 @@ runs `--steps` steps on each topic from the start draft once per seed, alike in 
 draft's held-out τ is measured the same way: tokens per step in TIDE's engine (fp32, γ 3, greedy) on
 chat_fr's test part, which no trainer saw. A seed fixes which examples the trainer samples, so the
 two sources are compared seed by seed; the spread over seeds is the noise the ratio is read against.
-Needs `.venv-vllm` (`make vllm`). Takes about 45 minutes on 2 cores with three seeds.
+Needs `.venv-vllm` (`make vllm`). Each training takes 5–10 minutes on 2 cores.
 """
 
 from __future__ import annotations
