@@ -829,6 +829,10 @@ def bench_shift(
                            model=model, work_dir=work_dir, dtype=_dtype(dtype), engine=engine)  # fmt: skip
     if engine not in ("tide", "vllm"):
         raise typer.BadParameter("tide or vllm", param_hint="--engine")
+    if engine == "vllm" and max_batch != 1:
+        raise typer.BadParameter(
+            "with vLLM each system sends one request at a time", param_hint="--max-batch"
+        )
     with _clear_errors():
         report = run_shift_bench(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
