@@ -829,6 +829,8 @@ def bench_shift(
                            model=model, work_dir=work_dir, dtype=_dtype(dtype), engine=engine)  # fmt: skip
     if engine not in ("tide", "vllm"):
         raise typer.BadParameter("tide or vllm", param_hint="--engine")
+    if not (static_draft / "model.safetensors").is_file():
+        raise typer.BadParameter(f"no draft in {static_draft}", param_hint="--static-draft")
     if engine == "vllm" and max_batch != 1:
         raise typer.BadParameter(
             "with vLLM each system sends one request at a time", param_hint="--max-batch"

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from tide.config import native_dtype
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
+from tide.infra.process import stop_group
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.producers.publisher import PublisherConfig
@@ -243,12 +244,8 @@ def start_learning(
     setting: Setting, gate_args: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
     """`tide train` and `tide gate` on the `default` workload, on the training core."""
-    work, kafka, mlflow, cores = (
-        setting.work,
-        setting.kafka.bootstrap,
-        setting.mlflow.url,
-        setting.training_cores,
-    )
+    work, cores = setting.work, setting.training_cores
+    kafka, mlflow = setting.kafka.bootstrap, setting.mlflow.url
     trainer = spawn_tide(["train", "--kafka", kafka, "--workload", WORKLOAD, "--mlflow", mlflow,
                           "--state-dir", str(work / "trainer"), "--eval-every", "50", "--checkpoint-every", "40",
                           "--vocab-warmup", "1024"], work / "trainer.log", cores)  # fmt: skip
@@ -348,8 +345,7 @@ def _run(setting: Setting) -> dict[str, Any]:
     finally:
         node.stop()
         for proc in (trainer, gate):
-            proc.terminate()
-            proc.wait(30)
+            stop_group(proc, 30)
     return shift_report(cfg, systems, events, controller.snapshot(), publisher.stats.records_published,
                    [len(ph) for ph in phases], states)  # fmt: skip
 

@@ -22,7 +22,7 @@ import logging
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -57,6 +57,7 @@ COUNTERS = {
 class VllmSystem(Track):
     url: str
     http: httpx.Client
+    last: dict[str, float] = field(default_factory=dict)  # the counters as the last slot ended
 
     def draft(self) -> str:
         """The version of the draft the server drafts with (TIDE's `/health`)."""
@@ -84,7 +85,8 @@ class VllmSystem(Track):
             r.raise_for_status()
             tokens += int(r.json()["usage"]["completion_tokens"])
         elapsed = time.perf_counter() - start
-        d = {k: v - before[k] for k, v in self.counters().items()}
+        self.last = self.counters()
+        d = {k: v - before[k] for k, v in self.last.items()}
         drafts = int(d["drafts"])  # vLLM drafts at every decode step of a speculating server
         self.slots.append(Slot(start - t0, elapsed, tokens, drafts, drafts + int(d["accepted"]), drafts,
                                int(d["draft_tokens"])))  # fmt: skip
@@ -145,7 +147,7 @@ def _serve(
                 s.serve(
                     phase, str(cfg.schedule[phase]), phases[phase], t0, cfg.slot_seconds, cfg.max_new_tokens
                 )
-            draft, rolled = tide.draft(), tide.counters()["rollbacks"]
+            draft, rolled = tide.draft(), tide.last["rollbacks"]
             if draft != serving:
                 if rolled > rollbacks:
                     kind = "rollback"
