@@ -8,11 +8,13 @@ import shutil
 import uuid
 from pathlib import Path
 
+import pytest
 import torch
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from safetensors.torch import load_file, save_file
 
+from tide.registry.gate import Gate
 from tide.registry.store import SHA_TAG, register_version
 
 
@@ -91,3 +93,13 @@ class Registrar:
             return str(self.client.get_model_version_by_alias(self.name, alias).version)
         except Exception:
             return None
+
+
+def read_held_out(gate: Gate, workload: str, requests: int) -> None:
+    """Drain until the gate holds all `requests` served held-out requests. A new consumer waits for
+    its partitions on a busy broker, and until then the gate only waits for records: a test about
+    what follows must not take that wait for its answer."""
+    for _ in range(30):
+        if len(gate._held_out(workload).examples) >= requests:
+            return
+    pytest.fail(f"the gate never read the {requests} held-out requests of {workload}")

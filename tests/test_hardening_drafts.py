@@ -30,7 +30,7 @@ from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.engine import Engine, EngineConfig
 
 from .conftest import serve_into_kafka, tiny_draft, tiny_target
-from .drafts import Registrar, copy_draft
+from .drafts import Registrar, copy_draft, read_held_out
 
 
 # -- draft files -------------------------------------------------------------------------------------
@@ -254,20 +254,11 @@ def gate_env(
     cfg = GateConfig(registry.url, kafka.bootstrap, work / "cache", min_tau=0.0, min_speedup=0.0,
                      held_out=HeldOutWindow(3600, min_positions=32))  # fmt: skip
     gate = Gate(cfg, head)
-    _read_held_out(gate, workload)
+    read_held_out(gate, workload, 3)
     try:
         yield gate, Registrar(registry.url, head.fingerprint, workload), a, b
     finally:
         gate.close()
-
-
-def _read_held_out(gate: Gate, workload: str) -> None:
-    """Drain until the gate holds the records (a new consumer waits for its partitions on a busy
-    broker; before that the gate only waits for records, and these tests are about what follows)."""
-    for _ in range(30):
-        if gate._held_out(workload).positions >= gate.cfg.held_out.min_positions:
-            return
-    pytest.fail("the gate never read the held-out records")
 
 
 def _decisions(gate: Gate, reg: Registrar) -> list[Verdict]:
@@ -317,7 +308,7 @@ def test_only_one_gate_acts_per_registry(
     gate, reg, a, _ = gate_env
     other = Gate(gate.cfg, head)
     try:
-        _read_held_out(other, reg.workload)
+        read_held_out(other, reg.workload, 3)
         cand = reg.register(copy_draft(a, a.parent / "d", "d"))
         assert gate.lease.acquire()
         assert other.run_once() == [] and "gate.decision" not in reg.tags(cand)

@@ -21,7 +21,7 @@ from tide.registry.store import PROFILE_TAG
 from tide.serving.cost_model import measure_profile
 
 from .conftest import serve_into_kafka
-from .drafts import Registrar, copy_draft, foreign_draft, nan_draft, noisy_draft
+from .drafts import Registrar, copy_draft, foreign_draft, nan_draft, noisy_draft, read_held_out
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,7 @@ def gate_setup(
         registry.url, kafka.bootstrap, registry.data_dir / "gate-cache", held_out=HeldOutWindow(3600)
     )
     gate = Gate(cfg, load_head())
+    read_held_out(gate, workload, 8)
     try:
         yield gate, reg
     finally:
