@@ -11,6 +11,7 @@ accepted prefix plus one correction/bonus token. The engine orchestrates parts w
 | `DraftSet` | `drafts.py` | which draft serves which workload; swaps; failing drafts reverted |
 | `Speculator`, `accept` | `speculation.py` | chain drafting per draft; the exact accept rule |
 | `GammaPolicy` | `gamma_policy.py` | gamma per step: fixed, or the controller's |
+| `SuffixProposer` | `suffix.py` | drafts from the workload's recent text where that is expected to pay more |
 | `Sequence` | `sequence.py` | a request's output and its stop conditions |
 
 One request cannot fail another: its sampling settings and token ids are checked when it is added,
@@ -28,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,9 +49,13 @@ from tide.serving.drafts import DraftSet, DraftSlot, DraftStats
 from tide.serving.gamma_policy import AdaptiveGamma, FixedGamma, GammaPolicy
 from tide.serving.sampling import BatchSampling, SamplingParams, probs_from_logits, sample
 from tide.serving.sequence import Sequence, StepOutput
-from tide.serving.speculation import Speculator, accept
+from tide.serving.speculation import Speculator, accept, with_suffix
+from tide.serving.suffix import SuffixConfig, SuffixProposal, SuffixProposer
 
 log = logging.getLogger("tide.serving")
+
+
+PROPOSERS = ("draft", "suffix", "hybrid")
 
 
 @dataclass
@@ -61,6 +66,14 @@ class EngineConfig:
     max_gamma: int = 8
     seed: int = 0
     draft_failures: int = 3  # steps in a row on which a draft raised before its workload reverts
+    # where proposals come from: the learned draft, the workload's recent text, or per row the one
+    # expected to add more tokens
+    proposer: str = "draft"  # draft | suffix | hybrid
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
+
+    def __post_init__(self) -> None:
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
 
 
 @dataclass
@@ -95,6 +108,7 @@ class Engine:
             cfg.max_batch, self.batch.capacity, self.dtype, cfg.max_gamma, cfg.draft_failures
         )
         self.speculator = Speculator(self.batch, self.drafts, self.model.cfg.vocab_size)
+        self.suffix = SuffixProposer(cfg.suffix) if cfg.proposer != "draft" else None
         self.controller = controller  # told of every draft change; chooses gamma while adaptive
         self.policy: GammaPolicy = (
             AdaptiveGamma(controller) if controller is not None else FixedGamma(cfg.gamma)
@@ -150,7 +164,10 @@ class Engine:
         self.batch.compact(self._released, self._draft_cache)
 
     def _released(self, seq: Sequence) -> None:
-        """Ended from outside (aborted, failed): tell the tap now, so it frees the request's states."""
+        """A finished request's text goes into its workload's suffix index. Ended from outside
+        (aborted, failed): tell the tap now, so it frees the request's states."""
+        if self.suffix is not None and seq.finish_reason != "error":
+            self.suffix.remember(seq.workload, seq.prompt + seq.output)
         if seq.finish_reason not in ("stop", "length"):
             b, none = self.batch, self.batch.aux[seq.slot, :0]
             self._emit(seq, int(b.lengths[seq.slot]), b.tokens[seq.slot, :1], none, none, [], False)
@@ -358,14 +375,19 @@ class Engine:
         start = time.perf_counter()
         seqs = list(self.running)
         speculating = self.adaptive or self.policy.gamma > 0
-        groups = self.drafts.groups(q.workload for q in seqs) if speculating else None
+        drafting = speculating and self.cfg.proposer != "suffix"
+        groups = self.drafts.groups(q.workload for q in seqs) if drafting else None
         gamma = self.policy.choose([q.workload for q in seqs]) if groups else 0
+        picks: list[SuffixProposal | None] = [None] * len(seqs)
+        if speculating:
+            picks = self._suffix_picks(seqs, groups if gamma else None)
+        width = max([gamma] + [len(p.tokens) for p in picks if p is not None])
         s = BatchSampling.of([q.params for q in seqs])
         # drawn once: a sequence decoded again alone (below) samples with the same numbers
-        u = None if s.all_greedy else self._uniforms(seqs, 2 * gamma + 1)
+        u = None if s.all_greedy else self._uniforms(seqs, 2 * width + 1)
         dlen = self.batch.draft_lengths.clone()
         try:
-            return self._decode_rows(0, len(seqs), groups if gamma else None, gamma, s, u, start)
+            return self._decode_rows(0, len(seqs), groups if gamma else None, gamma, picks, s, u, start)
         except Exception:
             if len(seqs) == 1:
                 return [self._fail(seqs[0], "in its decode step")]
@@ -378,7 +400,14 @@ class Engine:
             try:
                 ui = None if u is None else u[i : i + 1]
                 results += self._decode_rows(
-                    i, i + 1, one, gamma if one else 0, BatchSampling.of([seq.params]), ui, start
+                    i,
+                    i + 1,
+                    one,
+                    gamma if one else 0,
+                    picks[i : i + 1],
+                    BatchSampling.of([seq.params]),
+                    ui,
+                    start,
                 )
             except Exception:
                 self.batch.draft_lengths[i] = dlen[i]
@@ -391,14 +420,18 @@ class Engine:
         hi: int,
         groups: dict[str, list[int]] | None,
         gamma: int,
+        picks: list[SuffixProposal | None],
         s: BatchSampling,
         u: torch.Tensor | None,
         start: float,
     ) -> list[StepOutput]:
-        """One target step for the running sequences in slots [lo, hi); `groups` index rows from lo."""
+        """One target step for the running sequences in slots [lo, hi); `groups` index rows from lo,
+        `picks` are the rows' suffix proposals (None: the row drafts with its draft, if any)."""
         b, seqs, rows = self.batch, self.running[lo:hi], torch.arange(lo, hi)
         lengths = b.lengths[lo:hi].clone()
         drafted, q = torch.zeros(hi - lo, 0, dtype=torch.long), None
+        if all(p is not None for p in picks):
+            groups = None  # no row drafts: the draft catches up on its next chain
         if groups and gamma > 0:
             dlen = b.draft_lengths[lo:hi].clone()
             proposal = self.speculator.propose(
@@ -409,7 +442,11 @@ class Engine:
             else:
                 drafted, q = proposal
                 self.timing.propose_seconds += time.perf_counter() - start
-        gamma = drafted.shape[1]  # the chain may have stopped early, or not started
+        draft_gamma = drafted.shape[1]  # the chain may have stopped early, or not started
+        suffix = any(p is not None for p in picks)
+        if suffix:
+            drafted, q = with_suffix((drafted, q), picks, self.model.cfg.vocab_size, u is not None)
+        gamma = drafted.shape[1]
         inp = torch.cat([b.tokens[rows, lengths].unsqueeze(1), drafted], 1)
         pos = lengths.unsqueeze(1) + torch.arange(gamma + 1)
         out = self.model(inp, Batch.make(lo, pos, None, b.capacity), b.cache, True)
@@ -424,11 +461,14 @@ class Engine:
         self.timing.decode_steps += 1
         self.timing.decode_seconds += seconds
         try:  # committed: from here on nothing may raise out of the step (it would be decoded again)
-            if groups and gamma > 0:
-                self.stats.add(acc, gamma)
-                for key, idx in groups.items():
-                    self.drafts[key].stats.add(acc if len(groups) == 1 else acc[torch.tensor(idx)], gamma)
-            self.policy.observe([q.workload for q in seqs], acc, gamma, seconds)
+            if suffix:
+                self._observe_suffix(seqs, picks, acc, groups, draft_gamma)
+            else:
+                if groups and gamma > 0:
+                    self.stats.add(acc, gamma)
+                    for key, idx in groups.items():
+                        self.drafts[key].stats.add(acc if len(groups) == 1 else acc[torch.tensor(idx)], gamma)
+                self.policy.observe([q.workload for q in seqs], acc, gamma, seconds)
         except Exception:
             log.exception("acceptance statistics of a step failed")
         new_tokens, accepted, starts = verdict.tokens.tolist(), acc.tolist(), lengths.tolist()
@@ -443,6 +483,54 @@ class Engine:
             self._emit(seq, starts[i], inp[i, :1], out.aux[i], out.hidden[i], kept, False)
             results.append(StepOutput(seq, kept, n))
         return results
+
+    # -- the suffix index ---------------------------------------------------------------------------
+    def _suffix_picks(
+        self, seqs: list[Sequence], groups: dict[str, list[int]] | None
+    ) -> list[SuffixProposal | None]:
+        """Per row, the index's proposal where it is expected to add more tokens than the row's
+        draft (by the draft's acceptance on this node so far), else None."""
+        if self.suffix is None:
+            return [None] * len(seqs)
+        rival = [0.0] * len(seqs)
+        for key, idx in (groups or {}).items():
+            st = self.drafts[key].stats
+            expected = st.mean_accept_length - 1.0 if st.steps else 1.0  # untried: half its tokens, say
+            for i in idx:
+                rival[i] = expected
+        picks: list[SuffixProposal | None] = []
+        try:
+            for i, seq in enumerate(seqs):
+                context = self.batch.tokens[i, : int(self.batch.lengths[i]) + 1]
+                p = self.suffix.propose(seq.workload, context, self.cfg.max_gamma)
+                picks.append(p if p is not None and p.expected > rival[i] else None)
+        except Exception:  # like a draft that raises: this step goes without the index
+            log.exception("the suffix index failed to propose")
+            return [None] * len(seqs)
+        return picks
+
+    def _observe_suffix(
+        self,
+        seqs: list[Sequence],
+        picks: list[SuffixProposal | None],
+        acc: torch.Tensor,
+        groups: dict[str, list[int]] | None,
+        draft_gamma: int,
+    ) -> None:
+        """A step some rows drafted from the index: each source learns from its own rows. The
+        controller does not: the step's time and tokens are not the draft's evidence."""
+        assert self.suffix is not None
+        accepted = acc.tolist()
+        for seq, p, n in zip(seqs, picks, accepted, strict=True):
+            if p is not None:
+                self.suffix.observe(seq.workload, p, n)
+        if groups and draft_gamma > 0:
+            for key, idx in groups.items():
+                mine = [i for i in idx if picks[i] is None]
+                if mine:
+                    own = acc[torch.tensor(mine)].clamp(max=draft_gamma)
+                    self.stats.add(own, draft_gamma)
+                    self.drafts[key].stats.add(own, draft_gamma)
 
     # -- the tap ------------------------------------------------------------------------------------
     def _emit(

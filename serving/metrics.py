@@ -69,6 +69,8 @@ class _EngineCollector(Collector):
         for depth, r in enumerate(e.stats.rates(), start=1):
             rate.add_metric([str(depth)], r)
         yield rate
+        if e.suffix is not None:
+            yield from _suffix_metrics(e, self.workloads)
         if e.controller is not None:
             yield from _controller_metrics(e.controller, self.capture)
         if self.workloads is not None:
@@ -80,6 +82,26 @@ class _EngineCollector(Collector):
                 "Requests served as `default`: their workload was outside the allow-list or the cap",
                 value=self.workloads.overflow,
             )
+
+
+def _suffix_metrics(e: Engine, workloads: WorkloadSet | None) -> Iterator[CounterMetricFamily]:
+    """What each workload's suffix index proposed and what of it was accepted (the draft's own
+    steps and tokens are `tide_draft_steps` and `tide_draft_tokens_per_step`)."""
+    assert e.suffix is not None
+    families = [
+        (CounterMetricFamily("tide_suffix_chosen_steps", "Sequence steps drafted from the suffix index",
+                             labels=["workload"]), "chosen"),
+        (CounterMetricFamily("tide_suffix_proposed_tokens", "Tokens the suffix index proposed",
+                             labels=["workload"]), "proposed_tokens"),
+        (CounterMetricFamily("tide_suffix_accepted_tokens", "Suffix index tokens the target accepted",
+                             labels=["workload"]), "accepted_tokens"),
+    ]  # fmt: skip
+    for workload, stats in list(e.suffix.stats.items()):
+        if _served(workloads, workload):
+            for family, field in families:
+                family.add_metric([workload], getattr(stats, field))
+    for family, _ in families:
+        yield family
 
 
 def _controller_metrics(c: Controller, capture: CapturePolicy | None) -> Iterator[GaugeMetricFamily]:

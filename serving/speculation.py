@@ -10,6 +10,7 @@ from tide.models.llama import Batch
 from tide.serving.batch_state import BatchState
 from tide.serving.drafts import DraftSet, DraftSlot
 from tide.serving.sampling import BatchSampling, SamplingParams, Verdict, probs_from_logits, sample, verify
+from tide.serving.suffix import SuffixProposal
 
 Proposal = tuple[torch.Tensor, torch.Tensor | None]  # (B, n) target ids; q (B, n, V) when sampling
 
@@ -137,6 +138,30 @@ class Speculator:
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
             raise ValueError("the draft proposed token ids outside the target's vocabulary")
         return tokens
+
+
+def with_suffix(
+    proposal: Proposal, picks: list[SuffixProposal | None], vocab_size: int, sampling: bool
+) -> Proposal:
+    """The rows in `picks` draft from the suffix index instead; every row is padded to the widest.
+    An index proposes deterministically, so its q is one-hot: speculative sampling stays exact, and
+    a padding token is only a proposal that is rarely accepted (greedy: only if it is the target's)."""
+    drafted, q = proposal
+    width = max([drafted.shape[1]] + [len(p.tokens) for p in picks if p is not None])
+    tokens = torch.zeros(len(picks), width, dtype=torch.long)
+    tokens[:, : drafted.shape[1]] = drafted
+    for i, p in enumerate(picks):
+        if p is not None:
+            tokens[i] = 0
+            tokens[i, : len(p.tokens)] = torch.tensor(p.tokens)
+    if not sampling:
+        return tokens, None
+    full = torch.zeros(len(picks), width, vocab_size)
+    full.scatter_(2, tokens.unsqueeze(2), 1.0)
+    if q is not None:
+        drafting = torch.tensor([p is None for p in picks])
+        full[drafting, : q.shape[1]] = q[drafting]
+    return tokens, full
 
 
 def accept(

@@ -18,7 +18,7 @@ def test_bench_spec_report(trained_draft_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     args = ["bench", "spec", "--prompts", str(WORKLOADS / "code.jsonl"), "--draft", str(trained_draft_dir),
             "--max-new-tokens", "24", "--batch-size", "2", "--limit", "4", "--gamma", "3", "--no-llama-cpp",
-            "--out", str(out), "--plot", str(tmp_path / "spec.png")]  # fmt: skip
+            "--proposer", "hybrid", "--out", str(out), "--plot", str(tmp_path / "spec.png")]  # fmt: skip
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     r = json.loads(out.read_text())
@@ -45,6 +45,21 @@ def test_bench_spec_report(trained_draft_dir: Path, tmp_path: Path) -> None:
     assert len(r["divergence_top2_logit_gaps"]) == round((1 - r["greedy_match_rate"]) * r["prompts"])
     assert r["predicted_speedup"] > 0 and 0 <= r["tap_overhead"] < 1
     assert r["adaptive_speedup"] > 0 and 0 < r["adaptive"]["drafted_share"] <= 1
+    # the hybrid proposer beside the draft alone, on the same prompts: as lossless, its shares reported
+    h = r["proposer"]
+    assert h["name"] == "hybrid" and h["tokens_per_s"] > 0 and r["proposer_over_draft"] > 0
+    assert (
+        0 <= h["suffix_share"] <= 1
+        and 0 <= h["draft_share"] <= 1
+        and h["suffix_share"] + h["draft_share"] > 0
+    )
+    assert r["proposer_greedy_match_rate"] == r["greedy_match_rate"]
+
+
+def test_an_unknown_proposer_is_refused() -> None:
+    for cmd in (["serve"], ["bench", "spec", "--prompts", "x.jsonl", "--draft", "d"]):
+        res = CliRunner().invoke(app, [*cmd, "--proposer", "oracle"])
+        assert res.exit_code == 2 and "draft, suffix, hybrid" in res.output, res.output
 
 
 @pytest.mark.slow  # starts a real server

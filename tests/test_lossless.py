@@ -37,6 +37,23 @@ def test_greedy_speculation_is_token_identical_in_fp32(target_fp32, trained_draf
     assert accepted > 0  # the trained draft was right often enough to exercise multi-token acceptance
 
 
+def test_greedy_with_the_hybrid_proposer_is_token_identical_in_fp32(target_fp32, trained_draft_dir) -> None:
+    """The learned draft and the suffix index side by side: each prompt twice, so that the second
+    time the index holds the first answer and proposes long runs of it."""
+    prompts = _prompts(target_fp32, 8)[::2]
+    params = SamplingParams(max_tokens=24)
+    base = Engine(target_fp32, None, EngineConfig(max_batch=4, max_model_len=256, gamma=0))
+    ref = [s.output for s in base.generate(prompts, params)]
+    for batch in (1, 4):
+        cfg = EngineConfig(max_batch=batch, max_model_len=256, gamma=3, proposer="hybrid")
+        engine = Engine(target_fp32, None, cfg)
+        engine.load_draft(trained_draft_dir)
+        out = [s.output for s in engine.generate(prompts + prompts, params)]
+        assert out == ref + ref, f"batch {batch}"
+        assert engine.suffix is not None and engine.stats.steps > 0
+        assert sum(s.accepted_tokens for s in engine.suffix.stats.values()) > 0
+
+
 def test_sampled_speculation_runs_on_the_default_model(target_native, trained_draft_dir) -> None:
     """The serving dtype, sampling, stop strings and max_tokens inside accepted bursts: well-formed results."""
     prompts = _prompts(target_native, 8)

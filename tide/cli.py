@@ -21,6 +21,11 @@ from tide.config import (
 from tide.models.loader import Target
 from tide.prompts import Prompt
 
+PROPOSER_HELP = (
+    "draft: the learned draft; suffix: continue the workload's recent text (no draft needed); hybrid: "
+    "per sequence and step, whichever is expected to add more tokens"
+)
+
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="TIDE: self-improving speculative LLM serving."
 )
@@ -338,6 +343,7 @@ def serve(
         "--engine",
         help="tide, or vllm: vLLM's OpenAI server with the draft and the tap (`make vllm`)",
     ),
+    proposer: str = typer.Option("draft", "--proposer", help=PROPOSER_HELP),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """OpenAI-compatible HTTP server over the speculative engine."""
@@ -374,6 +380,7 @@ def serve(
         return
     if engine != "tide":
         raise typer.BadParameter("tide or vllm", param_hint="--engine")
+    _check_proposer(proposer)
     adaptive = gamma == "auto"
     try:
         fixed_gamma = 0 if adaptive else int(gamma)
@@ -402,7 +409,11 @@ def serve(
             _dtype(dtype),
             NodeConfig(
                 EngineConfig(
-                    max_batch=max_batch, max_model_len=max_model_len, gamma=fixed_gamma, max_gamma=max_gamma
+                    max_batch=max_batch,
+                    max_model_len=max_model_len,
+                    gamma=fixed_gamma,
+                    max_gamma=max_gamma,
+                    proposer=proposer,
                 ),
                 PublisherConfig(kafka, codec, chunk_positions) if kafka else None,
                 sync,
@@ -413,6 +424,13 @@ def serve(
             ),
         )
     uvicorn.run(api, host=host, port=port, log_level="info")
+
+
+def _check_proposer(proposer: str) -> None:
+    from tide.serving.engine import PROPOSERS
+
+    if proposer not in PROPOSERS:
+        raise typer.BadParameter(f"one of {', '.join(PROPOSERS)}", param_hint="--proposer")
 
 
 def _node_name(port: int) -> str:
@@ -756,10 +774,14 @@ def bench_spec(
     engine: str = typer.Option(
         "tide", "--engine", help="vllm: also vLLM without and with the draft (`make vllm` installs it)"
     ),
+    proposer: str = typer.Option(
+        "draft", "--proposer", help="suffix or hybrid: also that proposer, beside the draft alone"
+    ),
 ) -> None:
     """Speculation off, on at a fixed gamma (also with a no-op tap) and adaptive, interleaved in one process."""
     from tide.bench.spec import SpecBenchConfig, plot_spec_report, run_spec_bench
 
+    _check_proposer(proposer)
     cfg = SpecBenchConfig(
         prompts,
         draft,
@@ -772,6 +794,7 @@ def bench_spec(
         model,
         llama_cpp,
         engine,
+        proposer,
     )
     with _clear_errors():
         report = run_spec_bench(cfg)
@@ -781,6 +804,9 @@ def bench_spec(
     summary = {k: report[k] for k in keys}
     summary["baseline_tps"] = report["baseline"]["tokens_per_s"]
     summary["speculative_tps"] = report["speculative"]["tokens_per_s"]
+    if "proposer" in report:
+        summary["proposer_tps"] = report["proposer"]["tokens_per_s"]
+        summary["proposer_over_draft"] = report["proposer_over_draft"]
     for key in ("llama_cpp", "vllm", "vllm_speculative"):
         if key in report:
             summary[f"{key}_tps"] = report[key]["tokens_per_s"]

@@ -581,12 +581,70 @@ FR_MAKERS = [
 ]
 
 
+# ---------------------------------------------------------------- code edits
+# Requests whose answer repeats most of the prompt: edit a short function and show all of it again,
+# or restate given records in another format. Text repeats here; a suffix index should see it.
+EDIT_NAMES = ["total", "count", "items", "result", "values", "scores", "names", "prices", "rows", "data",
+              "words", "numbers", "users", "orders", "lines", "parts", "keys", "sizes"]
+EDIT_FUNCS = ["process", "compute", "summarize", "clean", "collect", "merge", "parse", "update", "build",
+              "filter_rows", "normalize", "group", "count_words", "average", "find_max", "flatten"]
+
+
+def edit_code(rng):
+    a, b, c = rng.sample(EDIT_NAMES, 3)
+    f = rng.choice(EDIT_FUNCS)
+    n = rng.randint(2, 9)
+    bodies = [
+        "def {f}({a}):\n    {b} = []\n    for x in {a}:\n        if x > {n}:\n            {b}.append(x * 2)\n"
+        "    return {b}",
+        "def {f}({a}, {c}):\n    {b} = 0\n    for x in {a}:\n        {b} += x * {c}\n    return {b} / len({a})",
+        "def {f}({a}):\n    {b} = {{}}\n    for key, value in {a}.items():\n        {b}[key] = value + {n}\n"
+        "    return {b}",
+        "def {f}({a}):\n    {b} = sorted({a})\n    {c} = {b}[:{n}]\n    return sum({c}) / len({c})",
+        "def {f}({a}):\n    {b} = {a}.strip().split()\n    {c} = [w.lower() for w in {b} if len(w) > {n}]\n"
+        "    return {c}",
+        "def {f}({a}, {c}={n}):\n    {b} = []\n    for i in range(0, len({a}), {c}):\n"
+        "        {b}.append({a}[i : i + {c}])\n    return {b}",
+    ]
+    return rng.choice(bodies).format(f=f, a=a, b=b, c=c, n=n), (a, b, c, f)
+
+
+def edit_prompt(rng):
+    code, (a, b, c, f) = edit_code(rng)
+    new = rng.choice([x for x in EDIT_NAMES if x not in (a, b, c)])
+    asks = [
+        "Rename the variable `{b}` to `{new}` in this function and show the whole function again:",
+        "Add type hints to this function. Reply with the complete function:",
+        "Add a short docstring to this function and show all of it:",
+        "Rename the function `{f}` to `{f}_v2` and show the complete code:",
+        "Add a comment above each line of this function. Reply with the full function:",
+        "Rewrite this function with `{a}` renamed to `{new}`; keep everything else the same:",
+    ]
+    ask = rng.choice(asks).format(a=a, b=b, f=f, new=new)
+    return "%s\n\n```python\n%s\n```" % (ask, code)
+
+
+def records_prompt(rng):
+    people = rng.sample(["Alice", "Bob", "Chloe", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jack",
+                         "Kenji", "Lena", "Marco", "Nadia", "Omar", "Paula"], rng.randint(3, 5))
+    rows = ["%s,%d,%s" % (p, rng.randint(18, 70), rng.choice(["Paris", "Lyon", "Berlin", "Madrid", "Rome",
+                                                              "Oslo", "Porto", "Vienna"])) for p in people]
+    fmt = rng.choice(["a JSON array of objects with keys name, age and city",
+                      "a Markdown table with columns Name, Age and City",
+                      "a Python list of dictionaries with keys name, age and city"])
+    return "Convert these CSV rows (name,age,city) into %s:\n\n%s" % (fmt, "\n".join(rows))
+
+
+EDIT_MAKERS = [edit_prompt, edit_prompt, records_prompt]
+
+
 # ---------------------------------------------------------------- main
 WORKLOADS = [
     ("chat_en.jsonl", EN_MAKERS),
     ("code.jsonl", CODE_MAKERS),
     ("math.jsonl", MATH_MAKERS),
     ("chat_fr.jsonl", FR_MAKERS),
+    ("code_edits.jsonl", EDIT_MAKERS),  # last: the four above stay byte-identical
 ]
 
 

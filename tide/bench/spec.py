@@ -35,6 +35,7 @@ from tide.serving.drafts import DraftStats
 from tide.serving.engine import Engine, EngineConfig, StepTiming
 from tide.serving.node import NodeConfig, ServingNode
 from tide.serving.sampling import SamplingParams
+from tide.serving.suffix import SuffixProposer
 from tide.serving.vllm_adapter.config import VllmConfig
 from tide.serving.vllm_adapter.process import VllmProcess, VllmResult
 from tide.trainers.export import export_speculators
@@ -54,6 +55,8 @@ class SpecBenchConfig:
     llama_cpp: bool = True
     # "vllm": also vLLM without speculation and with the same draft (its CPU build, in its own virtualenv)
     engine: str = "tide"
+    # suffix or hybrid: also an engine drafting from the prompts' recent text (beside the draft: hybrid)
+    proposer: str = "draft"
 
 
 @dataclass
@@ -162,6 +165,12 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
             ),
         ).engine,
     }
+    if cfg.proposer != "draft":
+        engines["proposer"] = Engine(
+            target,
+            draft if cfg.proposer == "hybrid" else None,
+            dataclasses.replace(ecfg, proposer=cfg.proposer),
+        )
     llama = _llama_cpp(target.path, max_len) if cfg.llama_cpp and target.path.suffix == ".gguf" else None
     vllm = _vllm_engines(cfg, target, max_len, stack) if cfg.engine == "vllm" else {}
     vllm_runs: dict[str, list[VllmResult]] = {name: [] for name in vllm}
@@ -171,9 +180,11 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     size = 2 * cfg.batch_size
     groups = [prompts[i : i + size] for i in range(0, len(prompts), size)]
 
-    # warm-up (allocations, oneDNN kernel selection), not timed
+    # warm-up (allocations, oneDNN kernel selection), not timed; a suffix index starts empty
     for eng in engines.values():
         eng.generate(groups[0][:1], SamplingParams(max_tokens=8))
+        if eng.suffix is not None:
+            eng.suffix = SuffixProposer(eng.cfg.suffix)
     for eng in engines.values():
         eng.stats = DraftStats(eng.cfg.max_gamma)
         eng.tap_seconds = 0.0
@@ -189,6 +200,7 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     decoded = dict.fromkeys(engines, 0)  # sequence-steps after prefill, drafted or not
     group_speedups: list[float] = []
     adaptive_speedups: list[float] = []
+    proposer_ratios: list[float] = []  # per group: the proposer's engine over the draft alone
     modes = list(results)
     for gi, group in enumerate(tqdm(groups, desc="bench spec", unit="batch")):
         per_group: dict[str, ModeResult] = {}
@@ -214,6 +226,8 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
             results[name].tokens += per_group[name].tokens
             results[name].seconds += per_group[name].seconds
         group_speedups.append(per_group["speculative"].tokens_per_s / per_group["baseline"].tokens_per_s)
+        if "proposer" in per_group:
+            proposer_ratios.append(per_group["proposer"].tokens_per_s / per_group["speculative"].tokens_per_s)
         adaptive_speedups.append(per_group["adaptive"].tokens_per_s / per_group["baseline"].tokens_per_s)
 
     matches, gaps = _greedy_agreement(target, prompts, outputs["baseline"], outputs["speculative"])
@@ -285,6 +299,14 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         "tap_overhead": tapped.tap_seconds / results["speculative_tap"].seconds,
         "tap_throughput_ratio": results["speculative_tap"].tokens_per_s / results["speculative"].tokens_per_s,
     }
+    if "proposer" in engines:
+        report["proposer"] = _proposer_report(cfg.proposer, engines["proposer"], results["proposer"],
+                                              decoded["proposer"])  # fmt: skip
+        report["proposer_speedup"] = results["proposer"].tokens_per_s / base_tps
+        report["proposer_over_draft"] = results["proposer"].tokens_per_s / results["speculative"].tokens_per_s
+        report["proposer_over_draft_by_group"] = proposer_ratios
+        same, _ = _greedy_agreement(target, prompts, outputs["baseline"], outputs["proposer"])
+        report["proposer_greedy_match_rate"] = sum(same) / len(same)
     if llama is not None:
         report["llama_cpp"] = {
             "tokens_per_s": results["llama_cpp"].tokens_per_s,
@@ -302,6 +324,27 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         report["vllm_vs_tide_greedy_match_rate"] = sum(same) / len(same)
         report["vllm_vs_tide_top2_logit_gaps"] = vgaps
     return report
+
+
+def _proposer_report(name: str, engine: Engine, result: ModeResult, decoded: int) -> dict[str, Any]:
+    """What the suffix index proposed and what was accepted of it, beside the draft's share."""
+    assert engine.suffix is not None
+    stats = list(engine.suffix.stats.values())
+    chosen = sum(s.chosen for s in stats)
+    proposed, accepted = sum(s.proposed_tokens for s in stats), sum(s.accepted_tokens for s in stats)
+    return {
+        "name": name,
+        "tokens_per_s": result.tokens_per_s,
+        "tokens": result.tokens,
+        "seconds": result.seconds,
+        "suffix_share": chosen / decoded if decoded else 0.0,  # sequence-steps drafted from the index
+        "suffix_proposed_tokens": proposed,
+        "suffix_accepted_tokens": accepted,
+        "suffix_accept_rate": accepted / proposed if proposed else 0.0,
+        "draft_share": engine.stats.steps / decoded if decoded else 0.0,
+        "draft_mean_accept_length": engine.stats.mean_accept_length,
+        "engine_step_s": engine.timing.step,
+    }
 
 
 def _greedy_agreement(
@@ -329,6 +372,7 @@ def plot_spec_report(report: dict[str, Any], path: Path) -> None:
         ("baseline", "no spec.", "#888"),
         ("speculative", f"γ {report['gamma']}", "#2a7"),
         ("adaptive", "adaptive", "#a72"),
+        ("proposer", report.get("proposer", {}).get("name", ""), "#c5a"),
         ("llama_cpp", "llama.cpp", "#47a"),
         ("vllm", "vLLM", "#bbb"),
         ("vllm_speculative", f"vLLM γ {report['gamma']}", "#7c9"),

@@ -1,0 +1,174 @@
+"""Model-free drafting: continue the context the way the workload's recent text continued it.
+
+A `SuffixIndex` keeps one workload's recent token streams (prompts and completions) in a ring of
+`tokens` ids, oldest out first. To propose, it finds where the context's last tokens occurred
+before (in the index and in the sequence's own context, longest match first: all tensor
+comparisons, no tree to keep in step) and follows what came next, one depth at a time by majority
+vote among the matches that still agree.
+
+How far to follow is learned, not guessed. `SuffixProposer` keeps acceptance counts by depth for
+each class of match length, per workload, like the learned draft's: the probability that a
+proposal reaches depth d is the product of those rates times the vote's agreement, and a proposal
+ends where that falls below `min_prob` (a token that is accepted less often than that costs more
+verify time than it saves). The sum of those probabilities is the tokens the proposal is expected
+to add, which the engine weighs against the learned draft's.
+
+It needs no hidden states and runs no model: it serves before any draft exists, and the moment
+a workload repeats itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# match lengths are classed by these lower bounds: a long match predicts a long continuation
+MATCH_CLASSES = (2, 4, 8, 16)
+PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 4.0  # an untried class: half its tokens accepted, soon overruled
+
+
+@dataclass
+class SuffixConfig:
+    tokens: int = 1 << 16  # per workload: the index's memory is 8 bytes a token
+    max_match: int = 32  # context tokens compared at most
+    min_match: int = 2  # shorter matches are coincidences more often than not
+    min_prob: float = 0.1  # a proposal ends where its next token's chance of acceptance falls below
+    max_tokens: int = 8  # proposed at most per step
+
+
+@dataclass
+class SuffixProposal:
+    tokens: list[int]
+    reach: list[float]  # probability that each token is accepted (and all before it)
+    match_class: int
+
+    @property
+    def expected(self) -> float:
+        """Tokens the proposal is expected to add beyond the target's own one."""
+        return sum(self.reach)
+
+
+class SuffixIndex:
+    """One workload's recent streams in a ring; -1 separates streams, so no match crosses two."""
+
+    def __init__(self, capacity: int):
+        self.buf = torch.full((capacity,), -1, dtype=torch.long)
+        self.end = 0
+
+    def add(self, tokens: list[int]) -> None:
+        t = torch.tensor(tokens[-(len(self.buf) - 1) :], dtype=torch.long)
+        n = len(t) + 1
+        if self.end + n > len(self.buf):  # wrap: the tail past the last stream is left empty
+            self.buf[self.end :] = -1
+            self.end = 0
+        self.buf[self.end : self.end + len(t)] = t
+        self.buf[self.end + len(t)] = -1
+        self.end += n
+
+
+def longest_matches(hay: torch.Tensor, context: torch.Tensor, max_match: int) -> tuple[int, torch.Tensor]:
+    """The longest match of the context's tail in `hay` with a token after it: (its length, the
+    positions in `hay` of its last token). (0, empty) if the last token never occurs."""
+    ends = (hay[:-1] == context[-1]).nonzero().squeeze(1)
+    if ends.numel() == 0:
+        return 0, ends
+    depth = torch.arange(min(max_match, len(context)))
+    idx = ends.unsqueeze(1) - depth
+    same = (hay[idx.clamp(min=0)] == context.flip(0)[: len(depth)]) & (idx >= 0)
+    lengths = same.long().cumprod(1).sum(1)
+    best = int(lengths.max())
+    return best, ends[lengths == best]
+
+
+class SuffixProposer:
+    """Per workload: an index of its recent text and the acceptance its proposals have met."""
+
+    def __init__(self, cfg: SuffixConfig):
+        self.cfg = cfg
+        self.indexes: dict[str, SuffixIndex] = {}
+        self.stats: dict[str, SuffixStats] = {}
+
+    def remember(self, workload: str, tokens: list[int]) -> None:
+        if workload not in self.indexes:
+            self.indexes[workload] = SuffixIndex(self.cfg.tokens)
+        self.indexes[workload].add(tokens)
+
+    def _stats(self, workload: str) -> SuffixStats:
+        if workload not in self.stats:
+            self.stats[workload] = SuffixStats(self.cfg.max_tokens)
+        return self.stats[workload]
+
+    def propose(self, workload: str, context: torch.Tensor, limit: int) -> SuffixProposal | None:
+        """Up to `limit` tokens to follow `context` (its last token is the one being decoded)."""
+        cfg = self.cfg
+        limit = min(limit, cfg.max_tokens)
+        if limit < 1 or len(context) < cfg.min_match:
+            return None
+        hays = [context[:-1]]
+        if workload in self.indexes:
+            hays.append(self.indexes[workload].buf)
+        found = [(*longest_matches(h, context, cfg.max_match), h) for h in hays]
+        best = max(n for n, _, _ in found)
+        if best < cfg.min_match:
+            return None
+        span = torch.arange(1, limit + 1)
+        follows = []
+        for n, ends, h in found:
+            if n == best:
+                at = ends.unsqueeze(1) + span
+                follows.append(torch.where(at < len(h), h[at.clamp(max=len(h) - 1)], -1))
+        after = torch.cat(follows)  # (matches, limit): -1 where a stream ended
+        cls = sum(best >= c for c in MATCH_CLASSES) - 1
+        alphas = self._stats(workload).alphas(cls)
+        tokens: list[int] = []
+        reach: list[float] = []
+        p = 1.0
+        alive = torch.ones(len(after), dtype=torch.bool)
+        for d in range(limit):
+            col = after[alive, d]
+            col = col[col >= 0]
+            if col.numel() == 0:
+                break
+            values, counts = col.unique(return_counts=True)
+            top = int(counts.argmax())
+            p *= alphas[d] * float(counts[top]) / int(alive.sum())
+            if p < cfg.min_prob:
+                break
+            tokens.append(int(values[top]))
+            reach.append(p)
+            alive &= after[:, d] == values[top]
+        return SuffixProposal(tokens, reach, cls) if tokens else None
+
+    def observe(self, workload: str, proposal: SuffixProposal, accepted: int) -> None:
+        self._stats(workload).add(proposal, accepted)
+
+
+@dataclass
+class SuffixStats:
+    """A workload's suffix proposals: acceptance by match class and depth, and totals for reports."""
+
+    max_tokens: int
+    attempted: torch.Tensor = field(init=False)
+    accepted: torch.Tensor = field(init=False)
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    chosen: int = 0  # sequence-steps that drafted from the index
+
+    def __post_init__(self) -> None:
+        self.attempted = torch.zeros(len(MATCH_CLASSES), self.max_tokens)
+        self.accepted = torch.zeros(len(MATCH_CLASSES), self.max_tokens)
+
+    def alphas(self, cls: int) -> list[float]:
+        rates = (self.accepted[cls] + PRIOR_WEIGHT * PRIOR_ALPHA) / (self.attempted[cls] + PRIOR_WEIGHT)
+        return [float(r) for r in rates]
+
+    def add(self, proposal: SuffixProposal, accepted: int) -> None:
+        n = len(proposal.tokens)
+        accepted = min(accepted, n)
+        reached = min(accepted + 1, n)
+        self.attempted[proposal.match_class, :reached] += 1
+        self.accepted[proposal.match_class, :accepted] += 1
+        self.proposed_tokens += n
+        self.accepted_tokens += accepted
+        self.chosen += 1
