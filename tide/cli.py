@@ -369,7 +369,10 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="--capture") from None
     from tide.serving.engine import EngineConfig
 
+    _check_proposer(proposer)
     if engine == "vllm":
+        if proposer != "draft":
+            raise typer.BadParameter("a vLLM node drafts with the draft only", param_hint="--proposer")
         if len(names) > 1 and registry:
             raise typer.BadParameter("vLLM runs one drafter: name the one workload whose champion it "
                                      "follows", param_hint="--workloads")  # fmt: skip
@@ -380,7 +383,6 @@ def serve(
         return
     if engine != "tide":
         raise typer.BadParameter("tide or vllm", param_hint="--engine")
-    _check_proposer(proposer)
     adaptive = gamma == "auto"
     try:
         fixed_gamma = 0 if adaptive else int(gamma)
@@ -840,11 +842,13 @@ def bench_shift(
     engine: str = typer.Option(
         "tide", "--engine", help="vllm: the three systems are vLLM servers (`make vllm` installs it)"
     ),
+    proposer: str = typer.Option("draft", "--proposer", help="TIDE's node: " + PROPOSER_HELP),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """No speculation, a static draft and TIDE (the whole loop live) through a workload shift."""
     from tide.bench.shift import ShiftBenchConfig, plot_shift_report, run_shift_bench
 
+    _check_proposer(proposer)
     _setup_logging(verbose)
     files = [Path(p.strip()) for p in schedule.split(",") if p.strip()]
     for f in files:
@@ -852,11 +856,14 @@ def bench_shift(
             raise typer.BadParameter(f"no such prompt file: {f}", param_hint="--schedule")
     cfg = ShiftBenchConfig(files, static_draft, phase_seconds=phase_seconds, slot_seconds=slot_seconds,
                            window_seconds=window_seconds, max_batch=max_batch, max_new_tokens=max_new_tokens,
-                           model=model, work_dir=work_dir, dtype=_dtype(dtype), engine=engine)  # fmt: skip
+                           model=model, work_dir=work_dir, dtype=_dtype(dtype), engine=engine,
+                           proposer=proposer)  # fmt: skip
     if engine not in ("tide", "vllm"):
         raise typer.BadParameter("tide or vllm", param_hint="--engine")
     if not (static_draft / "model.safetensors").is_file():
         raise typer.BadParameter(f"no draft in {static_draft}", param_hint="--static-draft")
+    if engine == "vllm" and proposer != "draft":
+        raise typer.BadParameter("a vLLM node drafts with the draft only", param_hint="--proposer")
     if engine == "vllm" and max_batch != 1:
         raise typer.BadParameter(
             "with vLLM each system sends one request at a time", param_hint="--max-batch"

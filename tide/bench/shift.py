@@ -75,6 +75,7 @@ class ShiftBenchConfig:
     work_dir: Path | None = None
     end_seconds: float = 120.0  # "by the end of a phase": its last this many seconds
     engine: str = "tide"  # or "vllm": the three systems are vLLM servers (`tide.bench.shift_vllm`)
+    proposer: str = "draft"  # TIDE's node: suffix or hybrid also drafts from the workload's recent text
 
 
 @dataclass
@@ -270,8 +271,9 @@ def _run(setting: Setting) -> dict[str, Any]:
     start = setting.register_static(client)
     length = setting.max_model_len
 
-    def engine_cfg(gamma: int, max_gamma: int = 8) -> EngineConfig:
-        return EngineConfig(max_batch=cfg.max_batch, max_model_len=length, gamma=gamma, max_gamma=max_gamma)
+    def engine_cfg(gamma: int, max_gamma: int = 8, proposer: str = "draft") -> EngineConfig:
+        return EngineConfig(max_batch=cfg.max_batch, max_model_len=length, gamma=gamma, max_gamma=max_gamma,
+                            proposer=proposer)  # fmt: skip
 
     nospec = System("nospec", engine=Engine(target, None, engine_cfg(0)))
     static = System(
@@ -290,7 +292,7 @@ def _run(setting: Setting) -> dict[str, Any]:
             _pin(serving_cores)
 
     node_cfg = NodeConfig(
-        engine_cfg(0, 6),
+        engine_cfg(0, 6, cfg.proposer),
         kafka=PublisherConfig(kafka.bootstrap, "int8-g64", 64),
         registry=SyncConfig(mlflow.url, work / "drafts", "bench", poll_seconds=5.0),
         adaptive=ControllerConfig(max_gamma=6),
@@ -435,6 +437,7 @@ def shift_report(
             "dtype": str(cfg.dtype).removeprefix("torch."),
             "static_draft": str(cfg.static_draft),
             "engine": cfg.engine,
+            "proposer": cfg.proposer,
         },
         "phases": phases,
         "windows": windows,
