@@ -5,7 +5,8 @@
 One traffic, served with capture on into a real broker: once by TIDE's engine (workload
 `parity-tide`) and once by vLLM with the tap (`parity-vllm`), both in bf16 with the same start draft
 at γ 3, greedy, the same prompts (chat_fr, train part) and `--max-new-tokens`. Then `tide train`
-runs `--steps` steps on each topic from the start draft once per seed, alike in every flag, and each
+runs `--steps` steps on each topic from the start draft once per seed (both sources, seed after
+seed: the report, rewritten after each pair, compares whatever pairs are done), alike in every flag, and each
 draft's held-out τ is measured the same way: tokens per step in TIDE's engine (fp32, γ 3, greedy) on
 chat_fr's test part, which no trainer saw. A seed fixes which examples the trainer samples, so the
 two sources are compared seed by seed; the spread over seeds is the noise the ratio is read against.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 from confluent_kafka.admin import AdminClient
+from tqdm import tqdm
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.models.hf_folder import write_hf_folder
@@ -90,11 +92,11 @@ def main() -> None:
             vllm.generate(traffic, a.max_new_tokens, workload=SOURCES[1])
             report["vllm_records"] = vllm.flush_tap()["records_published"]
         start = tau(a.start_draft, held, 64)
-        taus: dict[str, list[float]] = {}
-        steps: dict[str, list[int]] = {}  # trained, by seed: a run cut short is not comparable
-        for name in SOURCES:
-            taus[name], steps[name] = [], []
-            for i, seed in enumerate(a.seeds):
+        taus: dict[str, list[float]] = {name: [] for name in SOURCES}
+        steps: dict[str, list[int]] = {name: [] for name in SOURCES}  # a run cut short is not comparable
+        # seed by seed, both sources: whatever pairs are done when the run is stopped are comparable
+        for i, seed in enumerate(tqdm(a.seeds, desc="seeds", unit="seed")):
+            for name in SOURCES:
                 if i:  # each seed reads the topic from its start: the trainer's group forgets the offsets
                     admin = AdminClient({"bootstrap.servers": kafka.bootstrap})
                     admin.delete_consumer_groups([trainer_group(name)])[trainer_group(name)].result(60)
@@ -109,14 +111,25 @@ def main() -> None:
                 assert ckpt is not None, f"{name} seed {seed}: no checkpoint"
                 taus[name].append(tau(ckpt / "draft", held, 64))
                 print(name, seed, taus[name][-1], flush=True)
+            write_report(report, start, taus, steps, a.out)
+
+
+def write_report(
+    report: dict[str, object],
+    start: float,
+    taus: dict[str, list[float]],
+    steps: dict[str, list[int]],
+    out: Path,
+) -> None:
+    """The pairs so far: τ per source and seed, their ratio seed by seed, and the spread over seeds."""
+    t = {name: torch.tensor(v) for name, v in taus.items()}
     report["tau"] = {"start": start, **taus}
     report["steps_trained"] = steps
-    t = {name: torch.tensor(v) for name, v in taus.items()}
     report["vllm_over_tide_by_seed"] = (t["parity-vllm"] / t["parity-tide"]).tolist()
     report["vllm_over_tide"] = float(t["parity-vllm"].mean() / t["parity-tide"].mean())
     report["spread_over_seeds"] = {name: float((v.max() - v.min()) / v.mean()) for name, v in t.items()}
-    a.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2), flush=True)
 
 
 if __name__ == "__main__":
