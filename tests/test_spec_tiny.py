@@ -17,13 +17,9 @@ def _next_probs(model, seqs: torch.Tensor, temperature: float) -> torch.Tensor:
         return (model.logits(out.hidden[:, -1]) / temperature).softmax(-1).double()
 
 
-def test_speculative_sampling_keeps_the_target_distribution() -> None:
-    temperature = 0.8
-    target = tiny_target(seed=3, scale=1.3, vocab=64)
-    draft = trained_tiny_draft(target, seed=4)
-    prompt = [5, 17, 33, 2, 9]
+def exact_joint(target, prompt: list[int], temperature: float) -> torch.Tensor:
+    """The exact joint distribution (v, v, v) of the first three tokens sampled after `prompt`."""
     v = target.config.vocab_size
-    # exact joint of the first three generated tokens
     p1 = _next_probs(target.model, torch.tensor([prompt]), temperature)[0]
     ones = torch.arange(v).unsqueeze(1)
     p2 = _next_probs(target.model, torch.cat([torch.tensor([prompt]).repeat(v, 1), ones], 1), temperature)
@@ -31,29 +27,41 @@ def test_speculative_sampling_keeps_the_target_distribution() -> None:
     p3 = _next_probs(
         target.model, torch.cat([torch.tensor([prompt]).repeat(v * v, 1), pairs], 1), temperature
     ).view(v, v, v)
-    exact = p1.view(v, 1, 1) * p2.view(v, v, 1) * p3
+    return p1.view(v, 1, 1) * p2.view(v, v, 1) * p3
 
-    n = 12000
-    engine = Engine(target, draft, EngineConfig(max_batch=128, max_model_len=16, gamma=2, seed=11))
-    seqs = engine.generate(
-        [prompt] * n, SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
-    )
+
+def assert_sampled_from(outputs: list[list[int]], exact: torch.Tensor) -> torch.Tensor:
+    """Chi-square of the outputs' three-token counts against `exact` (cells expected below 5
+    pooled): with df degrees of freedom, mean df and sd sqrt(2 df); 5 sd is far outside noise."""
+    n, v = len(outputs), exact.shape[0]
     counts = torch.zeros(v, v, v, dtype=torch.float64)
-    for s in seqs:
-        a, b, c = s.output
+    for a, b, c in outputs:
         counts[a, b, c] += 1
-    rates = engine.stats.rates()
-    assert 0.05 < rates[0] < 0.95, rates  # both accept and reject paths ran
-    assert engine.stats.drafted == 2 * engine.stats.steps  # gamma 2: two proposed per sequence-step
-
     expected = exact * n
     big = expected >= 5
     chi2 = (((counts[big] - expected[big]) ** 2) / expected[big]).sum()
     rest_e, rest_o = expected[~big].sum(), counts[~big].sum()
     chi2 += (rest_o - rest_e) ** 2 / rest_e
     df = int(big.sum())
-    # chi-square with df degrees of freedom: mean df, sd sqrt(2 df); 5 sd is far outside sampling noise
     assert chi2 < df + 5 * (2 * df) ** 0.5, (float(chi2), df)
+    return counts
+
+
+def test_speculative_sampling_keeps_the_target_distribution() -> None:
+    temperature = 0.8
+    target = tiny_target(seed=3, scale=1.3, vocab=64)
+    draft = trained_tiny_draft(target, seed=4)
+    prompt = [5, 17, 33, 2, 9]
+    exact = exact_joint(target, prompt, temperature)
+    n = 12000
+    engine = Engine(target, draft, EngineConfig(max_batch=128, max_model_len=16, gamma=2, seed=11))
+    seqs = engine.generate(
+        [prompt] * n, SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
+    )
+    rates = engine.stats.rates()
+    assert 0.05 < rates[0] < 0.95, rates  # both accept and reject paths ran
+    assert engine.stats.drafted == 2 * engine.stats.steps  # gamma 2: two proposed per sequence-step
+    counts = assert_sampled_from([s.output for s in seqs], exact)
     # and a wrong rule would be caught: the draft's own distribution differs measurably
     assert float((exact.sum((1, 2)) - counts.sum((1, 2)) / n).abs().sum()) < 0.05
 

@@ -11,7 +11,7 @@ from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 from tide.serving.suffix import SuffixConfig, SuffixIndex, SuffixProposer, longest_matches
 
-from .test_spec_tiny import _next_probs, _reference_greedy
+from .test_spec_tiny import _reference_greedy, assert_sampled_from, exact_joint
 
 
 def test_the_longest_match_wins_and_no_match_crosses_two_streams() -> None:
@@ -83,16 +83,7 @@ def test_sampling_with_the_index_keeps_the_target_distribution(proposer: str) ->
     # serves the rows where it has none, so both kinds of rows share verify passes
     draft = tiny_draft(target, seed=4) if proposer == "hybrid" else None
     prompt = [5, 17, 33, 2, 9]
-    v = target.config.vocab_size
-    p1 = _next_probs(target.model, torch.tensor([prompt]), temperature)[0]
-    ones = torch.arange(v).unsqueeze(1)
-    p2 = _next_probs(target.model, torch.cat([torch.tensor([prompt]).repeat(v, 1), ones], 1), temperature)
-    pairs = torch.stack(torch.meshgrid(torch.arange(v), torch.arange(v), indexing="ij"), -1).view(-1, 2)
-    p3 = _next_probs(
-        target.model, torch.cat([torch.tensor([prompt]).repeat(v * v, 1), pairs], 1), temperature
-    ).view(v, v, v)
-    exact = p1.view(v, 1, 1) * p2.view(v, v, 1) * p3
-
+    exact = exact_joint(target, prompt, temperature)
     n = 4000
     cfg = EngineConfig(max_batch=64, max_model_len=16, gamma=2, seed=11, proposer=proposer,
                        suffix=SuffixConfig(tokens=2048))  # fmt: skip
@@ -100,22 +91,12 @@ def test_sampling_with_the_index_keeps_the_target_distribution(proposer: str) ->
     seqs = engine.generate(
         [prompt] * n, SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
     )
-    counts = torch.zeros(v, v, v, dtype=torch.float64)
-    for s in seqs:
-        a, b, c = s.output
-        counts[a, b, c] += 1
     assert engine.suffix is not None
     (stats,) = engine.suffix.stats.values()
     assert stats.chosen > 0 and 0 < stats.accepted_tokens < stats.proposed_tokens  # both paths ran
     assert proposer == "suffix" or engine.stats.steps > 0
 
-    expected = exact * n
-    big = expected >= 5
-    chi2 = (((counts[big] - expected[big]) ** 2) / expected[big]).sum()
-    rest_e, rest_o = expected[~big].sum(), counts[~big].sum()
-    chi2 += (rest_o - rest_e) ** 2 / rest_e
-    df = int(big.sum())
-    assert chi2 < df + 5 * (2 * df) ** 0.5, (float(chi2), df)
+    assert_sampled_from([s.output for s in seqs], exact)
 
 
 def test_metrics_count_each_workloads_suffix_proposals() -> None:
