@@ -117,7 +117,7 @@ def test_metrics_count_each_workloads_suffix_proposals() -> None:
     assert 'tide_suffix_proposed_tokens_total{workload="a"}' in text
 
 
-def test_an_index_that_raises_costs_its_step_the_proposals_only() -> None:
+def test_an_index_that_raises_costs_its_step_the_proposals_only(monkeypatch: pytest.MonkeyPatch) -> None:
     target = tiny_target(seed=5, scale=2.0)
     prompts = [[7, 7, 8, 9], [1, 2, 3, 1, 2]]
     ref = _reference_greedy(target, prompts, 12)
@@ -127,6 +127,6 @@ def test_an_index_that_raises_costs_its_step_the_proposals_only() -> None:
     def broken(*args: object) -> None:
         raise RuntimeError("a bug in the index")
 
-    engine.suffix.propose = broken  # type: ignore[method-assign]
+    monkeypatch.setattr(engine.suffix, "propose", broken)
     out = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [s.output for s in out] == ref and all(s.finish_reason == "length" for s in out)
