@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tide.serving.drafts import DraftStats
+
 # match lengths are classed by these lower bounds: a long match predicts a long continuation
 MATCH_CLASSES = (2, 4, 8, 16)
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 4.0  # an untried class: half its tokens accepted, soon overruled
@@ -146,29 +148,33 @@ class SuffixProposer:
 
 @dataclass
 class SuffixStats:
-    """A workload's suffix proposals: acceptance by match class and depth, and totals for reports."""
+    """A workload's suffix proposals: the draft's acceptance counts by depth (`DraftStats`), one set
+    per match class, and their totals for reports."""
 
     max_tokens: int
-    attempted: torch.Tensor = field(init=False)
-    accepted: torch.Tensor = field(init=False)
-    proposed_tokens: int = 0
-    accepted_tokens: int = 0
-    chosen: int = 0  # sequence-steps that drafted from the index
+    by_class: list[DraftStats] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.attempted = torch.zeros(len(MATCH_CLASSES), self.max_tokens)
-        self.accepted = torch.zeros(len(MATCH_CLASSES), self.max_tokens)
+        self.by_class = [DraftStats(self.max_tokens) for _ in MATCH_CLASSES]
 
     def alphas(self, cls: int) -> list[float]:
-        rates = (self.accepted[cls] + PRIOR_WEIGHT * PRIOR_ALPHA) / (self.attempted[cls] + PRIOR_WEIGHT)
+        s = self.by_class[cls]
+        rates = (s.accepted + PRIOR_WEIGHT * PRIOR_ALPHA) / (s.attempted + PRIOR_WEIGHT)
         return [float(r) for r in rates]
 
     def add(self, proposal: SuffixProposal, accepted: int) -> None:
-        n = len(proposal.tokens)
-        accepted = min(accepted, n)
-        reached = min(accepted + 1, n)
-        self.attempted[proposal.match_class, :reached] += 1
-        self.accepted[proposal.match_class, :accepted] += 1
-        self.proposed_tokens += n
-        self.accepted_tokens += accepted
-        self.chosen += 1
+        n = len(proposal.tokens)  # a padding token the target happened to accept is not the index's
+        self.by_class[proposal.match_class].add(torch.tensor([min(accepted, n)]), n)
+
+    @property
+    def chosen(self) -> int:
+        """Sequence-steps that drafted from the index."""
+        return sum(s.steps for s in self.by_class)
+
+    @property
+    def proposed_tokens(self) -> int:
+        return sum(s.drafted for s in self.by_class)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(s.emitted - s.steps for s in self.by_class)
