@@ -1,7 +1,11 @@
 """The online trainer's pure parts: the recency window (positions, seconds) of held-out examples, the
-replay batch, and the draft vocabulary picked after a shift (and what it is fitted to)."""
+replay batch, the draft vocabulary picked after a shift (and what it is fitted to), and the offline
+draft's data collection."""
 
 from __future__ import annotations
+
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -229,3 +233,28 @@ def test_tau_per_step_walks_the_chain_as_serving_does() -> None:
     assert ttt.served_steps(lengths, valid, 1) == (6, 4)  # at 0, 2, 4 and 5
     per_position = 1 + sum(min(m, 2) for m in [2, 0, 1, 3, 0, 0]) / 6
     assert abs(per_position - 11 / 6) < 1e-9 < 6 / 2 - per_position  # here the steps land on the runs
+
+
+def test_collecting_a_drafts_data_keeps_at_most_one_batch_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests admitted past one batch would all be finished after the generation deadline, in the
+    training's share of the budget (on a busy machine, all of it)."""
+    from tests.conftest import tiny_target
+    from tide.bootstrap import BootstrapConfig, collect
+    from tide.serving.engine import Engine
+
+    target = tiny_target()
+    in_flight: list[int] = []
+    add = Engine.add
+
+    def counting_add(self: Engine, *args: object, **kw: object) -> object:
+        in_flight.append(len(self.running) + len(self.waiting) + 1)
+        return add(self, *args, **kw)
+
+    monkeypatch.setattr(Engine, "add", counting_add)
+    cfg = BootstrapConfig(gen_batch=3, max_new_tokens=8)
+    # the tiny model has no tokenizer: prompts that are token ids already
+    target.tokenizer = SimpleNamespace()  # type: ignore[assignment]
+    prompts = [SimpleNamespace(token_ids=lambda _tok, i=i: [1 + i, 2, 3, 4]) for i in range(10)]
+    examples = collect(target, prompts, cfg, deadline=time.monotonic() + 600)  # type: ignore[arg-type]
+    assert len(examples) == 10
+    assert max(in_flight) == 3

@@ -83,7 +83,13 @@ def collect(target: Target, prompts: list[Prompt], cfg: BootstrapConfig, deadlin
     pending = list(prompts)
     with tqdm(total=len(prompts), desc="target answers prompts", unit="prompt") as bar:
         while pending or engine.has_work:
-            while pending and len(engine.waiting) < cfg.gen_batch and time.monotonic() < deadline:
+            # admit only what one batch runs: at the deadline at most a batch is left to finish,
+            # and the training's share of the budget stays its own
+            while (
+                pending
+                and len(engine.running) + len(engine.waiting) < cfg.gen_batch
+                and time.monotonic() < deadline
+            ):
                 ids = pending.pop(0).token_ids(target.tok)
                 engine.add(ids[-(2048 - cfg.max_new_tokens) :], params)
             if not engine.has_work:
