@@ -102,12 +102,13 @@ def test_bench_training_report(tmp_path: Path) -> None:
 
 
 def test_bench_shift_report(trained_draft_dir: Path, tmp_path: Path) -> None:
-    """Two 20 s phases of `tide bench shift` with the whole loop: Kafka, MLflow, trainer, gate."""
+    """Two 20 s phases of `tide bench shift` with the whole loop: Kafka, MLflow, trainer, gate, and
+    the suffix index beside the draft."""
     out, plot = tmp_path / "shift.json", tmp_path / "shift.png"
     schedule = f"{WORKLOADS / 'code.jsonl'},{WORKLOADS / 'chat_fr.jsonl'}"
     args = ["bench", "shift", "--schedule", schedule, "--static-draft", str(trained_draft_dir),
             "--phase-seconds", "20", "--slot-seconds", "2", "--window-seconds", "10", "--max-new-tokens", "24",
-            "--work-dir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)]  # fmt: skip
+            "--proposer", "hybrid", "--work-dir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)]  # fmt: skip
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     r = json.loads(out.read_text())
@@ -124,7 +125,8 @@ def test_bench_shift_report(trained_draft_dir: Path, tmp_path: Path) -> None:
             "tide_end_vs_nospec",
         } <= p.keys()
     assert len(r["windows"]) == 4 and r["controller"]["default"]["alpha"]
-    assert all(0 <= w["tide_drafted_share"] <= 1 for w in r["windows"])
+    assert all(0 <= w["tide_drafted_share"] + w["tide_suffix_share"] <= 1 for w in r["windows"])
+    assert r["config"]["proposer"] == "hybrid" and all(0 <= p["tide_suffix_share"] <= 1 for p in r["phases"])
     # gamma auto: each drafted step proposed 1..6 tokens (None: a window where TIDE never drafted)
     assert all(w["tide_mean_gamma"] is None or 1 <= w["tide_mean_gamma"] <= 6 for w in r["windows"])
     assert all(isinstance(w["tide_controller"]["shifted"], bool) for w in r["windows"])

@@ -87,6 +87,7 @@ class Slot:
     emitted: int  # tokens those steps produced
     decoded: int  # sequence-steps in all, with speculation or without
     drafted: int  # draft tokens those steps proposed
+    suffix_steps: int = 0  # sequence-steps drafted from the suffix index instead (--proposer)
 
 
 def request_id(workload: str, i: int, n: int) -> str:
@@ -129,6 +130,7 @@ class System(Track):
         e = self.engine
         start = time.perf_counter()
         steps0, emitted0, drafted0 = e.stats.steps, e.stats.emitted, e.stats.drafted
+        suffix0 = _suffix_steps(e)
         tokens = decoded = 0
         while time.perf_counter() - start < seconds:
             while len(e.running) + len(e.waiting) < e.cfg.max_batch:
@@ -144,7 +146,11 @@ class System(Track):
             decoded += sum(1 for o in outputs if o.accepted is not None)  # None: a prefill
         self.slots.append(Slot(start - t0, time.perf_counter() - start, tokens,
                                e.stats.steps - steps0, e.stats.emitted - emitted0, decoded,
-                               e.stats.drafted - drafted0))  # fmt: skip
+                               e.stats.drafted - drafted0, _suffix_steps(e) - suffix0))  # fmt: skip
+
+
+def _suffix_steps(e: Engine) -> int:
+    return sum(st.chosen for st in e.suffix.stats.values()) if e.suffix is not None else 0
 
 
 def _tokens_per_s(slots: list[Slot]) -> float:
@@ -167,6 +173,12 @@ def _drafted(slots: list[Slot]) -> float | None:
     """The share of sequence-steps that drafted (τ alone cannot tell speculation from its checks)."""
     decoded = sum(s.decoded for s in slots)
     return sum(s.steps for s in slots) / decoded if decoded else None
+
+
+def _suffix_share(slots: list[Slot]) -> float | None:
+    """The share of sequence-steps that drafted from the suffix index (`_drafted` counts the draft's)."""
+    decoded = sum(s.decoded for s in slots)
+    return sum(s.suffix_steps for s in slots) / decoded if decoded else None
 
 
 def _pin(cores: set[int]) -> None:
@@ -386,6 +398,7 @@ def shift_report(
                 "static_tau": _tau(ws),
                 "tide_tau": _tau(wt),
                 "tide_drafted_share": _drafted(wt),
+                "tide_suffix_share": _suffix_share(wt),
                 "tide_mean_gamma": _gamma(wt),
                 # the controller as the window ended: its averages, which one decided, the detector
                 "tide_controller": next((c for t, c in reversed(states) if t <= w_end), None),
@@ -415,6 +428,7 @@ def shift_report(
             "static_end_vs_nospec": _tokens_per_s(within(static, end_lo, hi)) / end if end else None,
             "tide_end_vs_nospec": _tokens_per_s(within(tide, end_lo, hi)) / end if end else None,
             "adapt_seconds": adapt,
+            "tide_suffix_share": _suffix_share(within(tide, lo, hi)),
             # a workload that comes back: from phase start to TIDE's window ratio reaching 95% of
             # what it was by the end of the workload's last phase
             "recovery_seconds": _recovery(phase_windows, lo, earlier[-1]["tide_end_vs_nospec"]) if earlier else None,
