@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -246,7 +247,7 @@ def test_collecting_a_drafts_data_keeps_at_most_one_batch_in_flight(monkeypatch:
     in_flight: list[int] = []
     add = Engine.add
 
-    def counting_add(self: Engine, *args: object, **kw: object) -> object:
+    def counting_add(self: Engine, *args: Any, **kw: Any) -> Any:
         in_flight.append(len(self.running) + len(self.waiting) + 1)
         return add(self, *args, **kw)
 
