@@ -1,6 +1,6 @@
 """How much of the target's greedy answers repeats what came before in the same request.
 
-`python scripts/answer_repetition.py --prompts workloads/chat_fr.jsonl [--part test] [--limit 6] [--max-new-tokens 192]`
+`python scripts/answer_repetition.py --prompts workloads/chat_fr.jsonl [--part test] [--limit 8] [--max-new-tokens 192]`
 
 For each prompt, the share of answer tokens whose three preceding tokens already occurred earlier in
 the prompt or answer, followed by the same token: what a suffix index can continue from the
@@ -37,7 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--part", default="test")
-    ap.add_argument("--limit", type=int, default=6)
+    ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     args = ap.parse_args()
     target = load_target(None, torch.bfloat16)

@@ -145,6 +145,11 @@ class SuffixProposer:
     def observe(self, workload: str, proposal: SuffixProposal, accepted: int) -> None:
         self._stats(workload).add(proposal, accepted)
 
+    @property
+    def chosen(self) -> int:
+        """Sequence-steps drafted from the index, all workloads together."""
+        return sum(s.chosen for s in self.stats.values())
+
 
 @dataclass
 class SuffixStats:

@@ -150,7 +150,7 @@ class System(Track):
 
 
 def _suffix_steps(e: Engine) -> int:
-    return sum(st.chosen for st in e.suffix.stats.values()) if e.suffix is not None else 0
+    return e.suffix.chosen if e.suffix is not None else 0
 
 
 def _tokens_per_s(slots: list[Slot]) -> float:

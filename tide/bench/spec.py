@@ -330,7 +330,7 @@ def _proposer_report(name: str, engine: Engine, result: ModeResult, decoded: int
     """What the suffix index proposed and what was accepted of it, beside the draft's share."""
     assert engine.suffix is not None
     stats = list(engine.suffix.stats.values())
-    chosen = sum(s.chosen for s in stats)
+    chosen = engine.suffix.chosen
     proposed, accepted = sum(s.proposed_tokens for s in stats), sum(s.accepted_tokens for s in stats)
     return {
         "name": name,
