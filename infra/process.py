@@ -3,13 +3,14 @@ a launch into their own session, a clean stop."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -54,18 +55,24 @@ def wait_http_ok(
     raise error(f"{what} did not answer within {timeout:.0f} s:\n{log()}")
 
 
-def stop_group(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    """SIGTERM the process's session (a clean shutdown flushes logs and metadata), SIGKILL if it lingers."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        proc.wait()
+def stop_groups(procs: Sequence[subprocess.Popen[bytes] | None], timeout: float) -> None:
+    """SIGTERM each process's session at once (a clean shutdown flushes logs and metadata), then
+    SIGKILL those that linger past one shared deadline: stopping n parts takes `timeout`, not n times it."""
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for p in live:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # gone already: its exit status is still to collect
+        os.killpg(proc.pid, sig)
 
 
 @dataclass
@@ -107,7 +114,7 @@ class LocalService:
 
     def stop(self, timeout: float = 30) -> None:
         proc, self.process = self.process, None
-        stop_group(proc, timeout)  # the server and whatever it started
+        stop_groups([proc], timeout)  # the server and whatever it started
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -39,6 +39,12 @@ class StepCosts:
         """Predicted seconds of one engine step for b sequences drafting gamma tokens."""
         return self._profiled(b, gamma) * self.ratio[self._index(b)]
 
+    def verify_costs(self, b: int) -> list[float]:
+        """A target pass over k + 1 tokens per sequence (nothing drafted), relative to one token's,
+        for each k the profile measured: what a proposal from the suffix index costs."""
+        p = self.profiles[self._index(b)]
+        return [p.target[n] / p.target[1] for n in sorted(p.target)]
+
     def observe(self, b: int, gamma: int, seconds: float) -> None:
         i = self._index(b)
         self.ratio[i] += (seconds / self._profiled(b, gamma) - self.ratio[i]) / self.horizon

@@ -380,7 +380,7 @@ class Engine:
         gamma = self.policy.choose([q.workload for q in seqs]) if groups else 0
         picks: list[SuffixProposal | None] = [None] * len(seqs)
         if speculating:
-            picks = self._suffix_picks(seqs, groups if gamma else None)
+            picks = self._suffix_picks(seqs, groups if gamma else None, gamma)
         width = max([gamma] + [len(p.tokens) for p in picks if p is not None])
         s = BatchSampling.of([q.params for q in seqs])
         # drawn once: a sequence decoded again alone (below) samples with the same numbers
@@ -486,24 +486,30 @@ class Engine:
 
     # -- the suffix index ---------------------------------------------------------------------------
     def _suffix_picks(
-        self, seqs: list[Sequence], groups: dict[str, list[int]] | None
+        self, seqs: list[Sequence], groups: dict[str, list[int]] | None, gamma: int
     ) -> list[SuffixProposal | None]:
-        """Per row, the index's proposal where it is expected to add more tokens than the row's
-        draft (by the draft's acceptance on this node so far), else None."""
+        """Per row, the index's proposal where it predicts a higher speedup than the row's draft at
+        this step's gamma (than 1.0 where the row does not draft), else None."""
         if self.suffix is None:
             return [None] * len(seqs)
-        rival = [0.0] * len(seqs)
+        b, c = len(seqs), self.controller
+        rival = [1.0] * b
         for key, idx in (groups or {}).items():
             st = self.drafts[key].stats
-            expected = st.mean_accept_length - 1.0 if st.steps else 1.0  # untried: half its tokens, say
             for i in idx:
-                rival[i] = expected
+                if c is not None:  # the controller's estimate and this machine's step times
+                    tau = c.tracker(seqs[i].workload).tau(gamma)
+                    rival[i] = tau * c.costs.step_time(b, 0) / c.costs.step_time(b, gamma)
+                else:  # untried: one token a step more, say; drafting's own time unknown
+                    tau = st.mean_accept_length if st.steps else 2.0
+                    rival[i] = tau / (1.0 + gamma * self.suffix.cfg.step_cost)
+        cost = c.costs.verify_costs(b) if c is not None else None
         picks: list[SuffixProposal | None] = []
         try:
             for i, seq in enumerate(seqs):
                 context = self.batch.tokens[i, : int(self.batch.lengths[i]) + 1]
-                p = self.suffix.propose(seq.workload, context, self.cfg.max_gamma)
-                picks.append(p if p is not None and p.expected > rival[i] else None)
+                p = self.suffix.propose(seq.workload, context, self.cfg.max_gamma, cost)
+                picks.append(p if p is not None and p.speedup > rival[i] else None)
         except Exception:  # like a draft that raises: this step goes without the index
             log.exception("the suffix index failed to propose")
             return [None] * len(seqs)

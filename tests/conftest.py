@@ -184,10 +184,10 @@ def tide_process(
         )
     try:
         yield proc
-    finally:
+    finally:  # `tide up` stops its parts (30 s together), then its services
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
 

@@ -99,3 +99,25 @@ def test_a_job_that_fails_runs_again_and_keeps_what_waits_on_it(
     assert stack.finish_jobs() == [] and stack.revive() == ["draft"]
     (again,) = stack.parts
     assert again.job and again.then == [("trainer:code", "trainer", ["600"])] and again.crashes == 1
+
+
+def test_stopping_parts_signals_them_all_at_once_and_kills_what_lingers(tmp_path: Path) -> None:
+    from tide.infra.process import stop_groups
+
+    def stubborn(name: str) -> subprocess.Popen[bytes]:  # notes SIGTERM and runs on, as a hung part would
+        note = tmp_path / name
+        script = f"trap 'date +%s.%N > {note}' TERM; while :; do sleep 1 & wait; done"
+        return subprocess.Popen(["bash", "-c", script], start_new_session=True)
+
+    first, second = stubborn("first"), stubborn("second")
+    polite, gone = subprocess.Popen(["sleep", "600"], start_new_session=True), subprocess.Popen(["true"])
+    gone.wait()
+    time.sleep(0.5)  # the traps are set
+    stop_groups([first, None, second, polite, gone], 5)
+    assert polite.returncode == -signal.SIGTERM
+    assert first.returncode == second.returncode == -signal.SIGKILL
+    # one deadline for all: the second heard SIGTERM with the first, not after the first's 5 s ran out
+    heard = [float((tmp_path / n).read_text()) for n in ("first", "second")]
+    assert abs(heard[1] - heard[0]) < 2.5
+    with pytest.raises(ProcessLookupError):  # the sleeps in their sessions went with them
+        os.killpg(first.pid, 0)

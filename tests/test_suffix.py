@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_draft, tiny_target, trained_tiny_draft
+from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 from tide.serving.suffix import SuffixConfig, SuffixIndex, SuffixProposer, longest_matches
@@ -37,7 +38,7 @@ def test_the_ring_forgets_the_oldest_streams_first() -> None:
 
 
 def test_proposals_follow_the_majority_and_grow_with_what_was_accepted() -> None:
-    sp = SuffixProposer(SuffixConfig(min_prob=0.1))
+    sp = SuffixProposer(SuffixConfig(step_cost=0.1))
     for tail in ([7, 8, 9, 10], [7, 8, 9, 10], [7, 8, 5, 6]):
         sp.remember("w", [1, 2, 3, *tail])
     context = torch.tensor([0, 1, 2, 3])
@@ -56,6 +57,22 @@ def test_proposals_follow_the_majority_and_grow_with_what_was_accepted() -> None
     assert q is not None and q.tokens[0] == 42
 
 
+def test_the_step_times_decide_how_far_a_proposal_goes() -> None:
+    sp = SuffixProposer(SuffixConfig())
+    for tail in ([7, 8, 9, 10], [7, 8, 9, 10], [7, 8, 5, 6]):
+        sp.remember("w", [1, 2, 3, *tail])
+    context = torch.tensor([0, 1, 2, 3])
+    free = sp.propose("w", context, 4, cost=[1.0] * 5)  # verifying more costs nothing: follow the vote out
+    assert free is not None and free.tokens == [7, 8, 9, 10]
+    assert free.speedup == pytest.approx(1.0 + sum(free.reach))
+    dear = [1.0 + k * 2.0 for k in range(5)]  # each token costs twice a step: none is worth it
+    assert sp.propose("w", context, 4, cost=dear) is None
+    usual = sp.propose("w", context, 4)  # by default each token costs `step_cost` of a step
+    assert usual is not None and usual.speedup > 1.0
+    gains = [(1.0 + sum(usual.reach[:k])) / (1.0 + 0.1 * k) for k in range(len(usual.reach) + 1)]
+    assert usual.speedup == pytest.approx(max(gains))
+
+
 def test_greedy_with_the_index_is_token_identical_at_every_batch_size() -> None:
     target = tiny_target(seed=5, scale=2.0)
     draft = trained_tiny_draft(target, seed=6, vocab=128)
@@ -63,14 +80,25 @@ def test_greedy_with_the_index_is_token_identical_at_every_batch_size() -> None:
     prompts = [torch.randint(0, 256, (6,), generator=g).tolist() for _ in range(8)]
     prompts = prompts + prompts  # the second time round, the index holds the first answers
     ref = _reference_greedy(target, prompts, 20)
-    for proposer in ("suffix", "hybrid"):
+    # the controller's step times decide how far proposals go and which source wins a row
+    for proposer, adaptive in (("suffix", False), ("hybrid", False), ("hybrid", True)):
         for batch in (1, 4):
             cfg = EngineConfig(max_batch=batch, max_model_len=64, gamma=3, proposer=proposer)
-            engine = Engine(target, draft if proposer == "hybrid" else None, cfg)
+            own = draft if proposer == "hybrid" else None
+            c = (
+                build_controller(target.model, own, ControllerConfig(max_gamma=3), batch, (batch,), 32)
+                if adaptive
+                else None
+            )
+            engine = Engine(target, own, cfg, controller=c)
             out = [s.output for s in engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))]
-            assert out == ref, (proposer, batch)
+            assert out == ref, (proposer, adaptive, batch)
             assert engine.suffix is not None
-            assert sum(s.accepted_tokens for s in engine.suffix.stats.values()) > 0, (proposer, batch)
+            assert sum(s.accepted_tokens for s in engine.suffix.stats.values()) > 0, (
+                proposer,
+                adaptive,
+                batch,
+            )
 
 
 @pytest.mark.parametrize("proposer", ["suffix", "hybrid"])

@@ -33,7 +33,7 @@ import httpx
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
-from tide.infra.process import LocalService, log_tail, stop_group, wait_http_ok
+from tide.infra.process import LocalService, log_tail, stop_groups, wait_http_ok
 from tide.infra.s3.server import S3Server
 from tide.names import MODEL_PREFIX, model_name, topic_for, trainer_group
 
@@ -382,8 +382,7 @@ class Stack:
         return started
 
     def stop(self) -> None:
-        for p in reversed(self.parts):
-            stop_group(p.proc, 30)
+        stop_groups([p.proc for p in self.parts], 30)
         self.parts = []
         for s in reversed(self.services):
             s.stop()

@@ -533,7 +533,7 @@ def _free() -> int:
 
 def _audit_records(stack: Any, workloads: list[str], fp: str, shape: Any) -> dict[str, Any]:
     """After the load: let each trainer catch up and checkpoint, then hold its ledger against its topic."""
-    from tide.infra.process import stop_group
+    from tide.infra.process import stop_groups
 
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:  # the trainers read what is left (their lag falls to 0)
@@ -544,7 +544,7 @@ def _audit_records(stack: Any, workloads: list[str], fp: str, shape: Any) -> dic
         time.sleep(5)
     for p in list(stack.parts):  # a trainer stopped by SIGTERM checkpoints what it has read
         if p.name.startswith("trainer:"):
-            stop_group(p.proc, 120)
+            stop_groups([p.proc], 120)
             stack.parts.remove(p)
     return count_records(stack.bootstrap, {w: stack.trainer_state_dir(w) for w in workloads}, fp, shape)
 

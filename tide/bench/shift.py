@@ -34,7 +34,7 @@ from tqdm import tqdm
 from tide.config import native_dtype
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
-from tide.infra.process import stop_group
+from tide.infra.process import stop_groups
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.producers.publisher import PublisherConfig
@@ -358,8 +358,7 @@ def _run(setting: Setting) -> dict[str, Any]:
                 bar.update(int(time.perf_counter() - t0) - bar.n)
     finally:
         node.stop()
-        for proc in (trainer, gate):
-            stop_group(proc, 30)
+        stop_groups([trainer, gate], 30)
     return shift_report(cfg, systems, events, controller.snapshot(), publisher.stats.records_published,
                    [len(ph) for ph in phases], states)  # fmt: skip
 

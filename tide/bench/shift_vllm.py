@@ -39,7 +39,7 @@ from tide.bench.shift import (
     spawn_tide,
     start_learning,
 )
-from tide.infra.process import free_port, log_tail, stop_group, wait_http_ok
+from tide.infra.process import free_port, log_tail, stop_groups, wait_http_ok
 from tide.registry.store import CHAMPION
 from tide.registry.tags import VersionTags
 
@@ -110,7 +110,7 @@ def run_vllm(setting: Setting) -> dict[str, Any]:
 
     with contextlib.ExitStack() as stack, httpx.Client(timeout=300) as http:
         procs: list[subprocess.Popen[bytes]] = []
-        stack.callback(_stop_all, procs)  # every process spawned below
+        stack.callback(stop_groups, procs, 60)  # every process spawned below
         systems: list[VllmSystem] = []
         for name, args in servers.items():
             port = free_port()
@@ -159,8 +159,3 @@ def _serve(
             serving, rollbacks = draft, rolled
             bar.update(int(time.perf_counter() - t0) - bar.n)
     return events
-
-
-def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        stop_group(p, 60)
