@@ -28,6 +28,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -120,7 +121,8 @@ class Engine:
         self.timing = StepTiming()  # measured while serving: what the cost model needs
         self.tap_seconds = 0.0  # time spent handing hidden states out (benchmarks report it)
         self.workloads_seen: set[str] = set()  # the registry follower polls their drafts
-        self._ids = itertools.count()
+        # ids unique across nodes and restarts: trainers take a request id seen before for a redelivery
+        self._ids = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
         if draft is not None:
             self.set_draft(draft)
             self.swap_pending_drafts()
@@ -208,7 +210,7 @@ class Engine:
             BatchSampling.of([params])
         except (RuntimeError, OverflowError, TypeError) as e:
             raise ValueError(f"sampling settings unusable: {e}") from None
-        rid = request_id or f"req-{next(self._ids)}"
+        rid = request_id or next(self._ids)
         held = is_held_out(rid) if held_out is None else held_out
         seq = Sequence(rid, list(prompt), params, workload, capture, held)
         self.workloads_seen.add(workload)

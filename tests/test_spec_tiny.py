@@ -133,6 +133,16 @@ def test_tap_hands_out_exactly_the_committed_positions() -> None:
         assert evs[0].aux.shape[-1] == 3 * target.config.hidden_size
 
 
+def test_a_restarted_node_names_its_requests_anew() -> None:
+    """Trainers take a request id they trained before for a redelivery: a node started again (or a
+    second node) must not reuse the ids of the first, or its records would be skipped."""
+    target = tiny_target(seed=7)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    first, again = (Engine(target, None, EngineConfig(max_batch=2, max_model_len=32)) for _ in range(2))
+    ids = [{s.request_id for s in e.generate([[1, 2, 3], [4, 5, 6]], params)} for e in (first, again)]
+    assert len(ids[0]) == len(ids[1]) == 2 and not ids[0] & ids[1]
+
+
 def test_continuous_batching_and_hot_swap_leave_outputs_unchanged() -> None:
     target = tiny_target(seed=9, scale=2.0)
     d1, d2 = tiny_draft(target, seed=10), tiny_draft(target, seed=12)
