@@ -13,7 +13,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from tide.names import topic_for, workload_of
+from tide.names import every_topic, topic_for, workload_of
 from tide.producers.records import (
     ForeignTarget,
     HiddenStateRecord,
@@ -61,12 +61,15 @@ class RecordConsumer:
     def __init__(
         self,
         bootstrap: str,
-        workloads: list[str],
+        workloads: list[str] | None,
         group_id: str,
         target_fingerprint: str,
         topics: TopicConfig | None = None,
         shape: TargetShape | None = None,
+        newest: bool = False,
     ):
+        """`workloads` None: every workload's topic, those made later too. `newest`: a group with
+        no committed offsets starts at the newest record, not the oldest retained."""
         topics = topics or TopicConfig()
         self.fingerprint = target_fingerprint
         self.shape = shape
@@ -76,7 +79,8 @@ class RecordConsumer:
             {
                 "bootstrap.servers": bootstrap,
                 "group.id": group_id,
-                "auto.offset.reset": "earliest",
+                "auto.offset.reset": "latest" if newest else "earliest",
+                "topic.metadata.refresh.interval.ms": 10_000,  # a pattern finds a new workload's topic soon
                 "enable.auto.commit": False,  # offsets are committed by whoever made the records durable
                 "session.timeout.ms": 10_000,  # a crashed trainer's partitions free up in seconds
                 "fetch.max.bytes": max(52_428_800, topics.max_message_bytes),
@@ -84,7 +88,8 @@ class RecordConsumer:
                 "logger": log,
             }
         )
-        self.consumer.subscribe([topic_for(w) for w in workloads], on_assign=_log_assignment("assigned"),
+        subscribed = [every_topic()] if workloads is None else [topic_for(w) for w in workloads]
+        self.consumer.subscribe(subscribed, on_assign=_log_assignment("assigned"),
                                 on_revoke=_log_assignment("revoked"), on_lost=_log_assignment("lost"))  # fmt: skip
 
     @property

@@ -169,7 +169,7 @@ class Engine:
         """A finished request's text goes into its workload's suffix index. Ended from outside
         (aborted, failed): tell the tap now, so it frees the request's states."""
         if self.suffix is not None and seq.finish_reason != "error":
-            self.suffix.remember(seq.workload, seq.prompt + seq.output)
+            self.suffix.remember(seq.workload, seq.prompt + seq.output, seq.request_id)
         if seq.finish_reason not in ("stop", "length"):
             b, none = self.batch, self.batch.aux[seq.slot, :0]
             self._emit(seq, int(b.lengths[seq.slot]), b.tokens[seq.slot, :1], none, none, [], False)

@@ -102,6 +102,10 @@ def _suffix_metrics(e: Engine, workloads: WorkloadSet | None) -> Iterator[Counte
                 family.add_metric([workload], getattr(stats, field))
     for family, _ in families:
         yield family
+    yield CounterMetricFamily("tide_suffix_fed_requests", "Other nodes' requests indexed from the topics",
+                              value=e.suffix.fed)  # fmt: skip
+    yield CounterMetricFamily("tide_suffix_fed_dropped", "Requests from the topics not indexed (inbox full, "
+                              "too many workloads)", value=e.suffix.fed_dropped)  # fmt: skip
 
 
 def _controller_metrics(c: Controller, capture: CapturePolicy | None) -> Iterator[GaugeMetricFamily]:

@@ -1,5 +1,5 @@
 """A serving node, composed in one place: the target, its engine, the controller (adaptive gamma), the
-tap (a record publisher), the draft follower and the capture advisor. `tide serve` (`api.build_app`),
+tap (a record publisher), the draft follower, the capture advisor and the suffix feed. `tide serve` (`api.build_app`),
 `tide up` (through `tide serve`), the benchmarks and the tests build nodes here.
 
 The seams a second serving engine plugs into are the ones wired here: a tap sink (`TapCallback`,
@@ -23,10 +23,12 @@ from tide.config import default_draft_dir
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target
 from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.producers.records import TargetShape
 from tide.serving.capture import CapturePolicy, TrainingAdvisor
 from tide.serving.controller import ControllerConfig, build_controller
 from tide.serving.draft_sync import DraftSync, SyncConfig
 from tide.serving.engine import Engine, EngineConfig
+from tide.serving.suffix_feed import SuffixFeed, SuffixFeedConfig
 
 log = logging.getLogger("tide.serving")
 
@@ -38,6 +40,7 @@ class NodeConfig:
     registry: SyncConfig | None = None  # follow each workload's champion draft
     adaptive: ControllerConfig | None = None  # the controller chooses gamma
     profile_batches: tuple[int, ...] = (1, 4, 16)  # batch sizes whose step times the controller measures
+    suffix_feed: bool = False  # every node's requests into the suffix indexes, from the topics (needs kafka)
 
 
 @dataclass
@@ -46,6 +49,7 @@ class ServingNode:
     engine: Engine
     publisher: RecordPublisher | None = None
     sync: DraftSync | None = None
+    feed: SuffixFeed | None = None
 
     @classmethod
     def build(
@@ -66,7 +70,16 @@ class ServingNode:
             )
         engine = Engine(target, draft, cfg.engine, tap=publisher, controller=controller)
         sync = DraftSync(cfg.registry, engine) if cfg.registry is not None else None
-        return cls(target, engine, publisher, sync)
+        feed = None
+        if cfg.suffix_feed:
+            if cfg.kafka is None or engine.suffix is None:
+                raise ValueError("a suffix feed needs a broker and a proposer that uses the suffix index")
+            shape = TargetShape(target.config.hidden_size, target.config.vocab_size)
+            with host_side():
+                feed = SuffixFeed(
+                    SuffixFeedConfig(cfg.kafka.bootstrap), engine.suffix, target.fingerprint, shape
+                )
+        return cls(target, engine, publisher, sync, feed)
 
     def advise(self, capture: CapturePolicy) -> None:
         """`auto` capture rules capture while a workload needs training, as the controller and the
@@ -78,8 +91,12 @@ class ServingNode:
     def start(self) -> None:
         if self.sync is not None:
             self.sync.start()
+        if self.feed is not None:
+            self.feed.start()
 
     def stop(self) -> None:
+        if self.feed is not None:
+            self.feed.stop()
         if self.sync is not None:
             self.sync.stop()
         if self.publisher is not None:

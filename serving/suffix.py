@@ -16,11 +16,15 @@ proposal, where none pays). The engine weighs the speedup this predicts against 
 draft's.
 
 It needs no hidden states and runs no model: it serves before any draft exists, and the moment
-a workload repeats itself.
+a workload repeats itself. Other nodes' finished requests can come in too (`feed`, from any
+thread: `suffix_feed.py` reads them off the workload topics); they join the indexes at the engine's
+next proposal, and a request this node served itself is not indexed twice.
 """
 
 from __future__ import annotations
 
+import queue
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +45,8 @@ class SuffixConfig:
     # (T(2)/T(1) - 1 was 0.096 at batch 1 on a 2-core CPU)
     step_cost: float = 0.1
     max_tokens: int = 8  # proposed at most per step
+    max_workloads: int = 64  # indexes a feed may open for workloads this node has not served
+    inbox: int = 1024  # fed requests waiting for the engine's next proposal; more are dropped
 
 
 @dataclass
@@ -90,11 +96,44 @@ class SuffixProposer:
         self.cfg = cfg
         self.indexes: dict[str, SuffixIndex] = {}
         self.stats: dict[str, SuffixStats] = {}
+        self._inbox: queue.Queue[tuple[str, str, list[int]]] = queue.Queue(cfg.inbox)
+        self._own: OrderedDict[str, None] = OrderedDict()  # recent request ids served here
+        self.fed = 0  # requests from the feed that joined an index
+        self.fed_dropped = 0  # from the feed, dropped: the inbox full, or too many workloads
 
-    def remember(self, workload: str, tokens: list[int]) -> None:
+    def remember(self, workload: str, tokens: list[int], request_id: str = "") -> None:
+        """A request this node finished (engine thread)."""
+        if request_id:
+            self._own[request_id] = None
+            while len(self._own) > 4 * self.cfg.inbox:
+                self._own.popitem(last=False)
+        self._add(workload, tokens)
+
+    def feed(self, workload: str, request_id: str, tokens: list[int]) -> None:
+        """A request some node finished (any thread): indexed at the next proposal."""
+        try:
+            self._inbox.put_nowait((workload, request_id, tokens))
+        except queue.Full:
+            self.fed_dropped += 1
+
+    def _add(self, workload: str, tokens: list[int]) -> None:
         if workload not in self.indexes:
             self.indexes[workload] = SuffixIndex(self.cfg.tokens)
         self.indexes[workload].add(tokens)
+
+    def _take_fed(self) -> None:
+        while True:
+            try:
+                workload, rid, tokens = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if rid in self._own:
+                continue
+            if workload not in self.indexes and len(self.indexes) >= self.cfg.max_workloads:
+                self.fed_dropped += 1
+                continue
+            self._add(workload, tokens)
+            self.fed += 1
 
     def _stats(self, workload: str) -> SuffixStats:
         if workload not in self.stats:
@@ -107,6 +146,7 @@ class SuffixProposer:
         """Up to `limit` tokens to follow `context` (its last token is the one being decoded), as
         many as maximise tokens per second; None where no proposal pays. `cost[k]`: the verify time
         of k + 1 tokens per row over one token's (default: `step_cost` per extra token)."""
+        self._take_fed()
         cfg = self.cfg
         limit = min(limit, cfg.max_tokens)
         if cost is None:

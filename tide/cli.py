@@ -344,6 +344,12 @@ def serve(
         help="tide, or vllm: vLLM's OpenAI server with the draft and the tap (`make vllm`)",
     ),
     proposer: str = typer.Option("draft", "--proposer", help=PROPOSER_HELP),
+    suffix_feed: bool = typer.Option(
+        False,
+        "--suffix-feed",
+        help="with --kafka and a suffix or hybrid proposer: index every node's captured requests, read "
+        "off the workload topics, beside this node's own",
+    ),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
     """OpenAI-compatible HTTP server over the speculative engine."""
@@ -383,6 +389,8 @@ def serve(
         return
     if engine != "tide":
         raise typer.BadParameter("tide or vllm", param_hint="--engine")
+    if suffix_feed and (not kafka or proposer == "draft"):
+        raise typer.BadParameter("needs --kafka and --proposer suffix or hybrid", param_hint="--suffix-feed")
     adaptive = gamma == "auto"
     try:
         fixed_gamma = 0 if adaptive else int(gamma)
@@ -420,6 +428,7 @@ def serve(
                 PublisherConfig(kafka, codec, chunk_positions) if kafka else None,
                 sync,
                 ControllerConfig(max_gamma=max_gamma, min_gain=min_gain) if adaptive else None,
+                suffix_feed=suffix_feed,
             ),
             ServerConfig(
                 admin_token=admin_token, max_queue=max_queue, max_body_bytes=max_body_bytes, capture=policy

@@ -17,9 +17,19 @@ def workload_of(topic: str) -> str:
     return topic.removeprefix(TOPIC_PREFIX)
 
 
+def every_topic() -> str:
+    """Every workload's topic, those made later included (a Kafka subscription pattern)."""
+    return "^" + TOPIC_PREFIX.replace(".", "\\.") + ".+"
+
+
 def trainer_group(workload: str) -> str:
     """The consumer group whose committed offsets are a workload's trainer's progress."""
     return f"tide-trainer.{workload}"
+
+
+def suffix_group(node: str) -> str:
+    """A serving node reads every workload's token streams for its suffix indexes: its own group."""
+    return f"tide-suffix.{node}"
 
 
 def gate_group(workload: str, instance: str) -> str:
