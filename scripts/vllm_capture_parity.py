@@ -1,6 +1,6 @@
 """Do drafts trained on vLLM's records learn as much as drafts trained on TIDE's?
 
-`python scripts/vllm_capture_parity.py --start-draft DIR [--requests 96] [--steps 400] [--seeds 0 1 2] --out report.json`
+`python scripts/vllm_capture_parity.py --start-draft DIR [--requests 96] [--steps 400] [--seeds 0 1 2] [--census-only] --out report.json`
 
 One traffic, served with capture on into a real broker: once by TIDE's engine (workload
 `parity-tide`) and once by vLLM with the tap (`parity-vllm`), both in bf16 with the same start draft
@@ -20,6 +20,8 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -30,7 +32,10 @@ from tide.infra.kafka.broker import KafkaBroker
 from tide.models.hf_folder import write_hf_folder
 from tide.models.loader import load_target
 from tide.names import trainer_group
+from tide.producers.assembler import RequestAssembler
+from tide.producers.consumer import RecordConsumer
 from tide.producers.publisher import PublisherConfig, RecordPublisher
+from tide.producers.records import HiddenStateRecord
 from tide.prompts import load_prompts, split
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
@@ -64,6 +69,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--census-only", action="store_true", help="capture both sources and count, no training")
     a = ap.parse_args()
     fr = load_prompts(WORKLOADS / "chat_fr.jsonl")
     bf16 = load_target(None, torch.bfloat16)
@@ -91,6 +97,13 @@ def main() -> None:
         with VllmProcess(cfg) as vllm:
             vllm.generate(traffic, a.max_new_tokens, workload=SOURCES[1])
             report["vllm_records"] = vllm.flush_tap()["records_published"]
+        # what each trainer can learn from: the held-out share is decided per node (by request id, and
+        # more while the gate's window is short), so the two sources need not train on as many requests
+        report["census"] = {name: census(kafka.bootstrap, name, bf16.fingerprint) for name in SOURCES}
+        if a.census_only:
+            a.out.write_text(json.dumps(report, indent=2) + "\n")
+            print(json.dumps(report, indent=2), flush=True)
+            return
         start = tau(a.start_draft, held, 64)
         taus: dict[str, list[float]] = {name: [] for name in SOURCES}
         steps: dict[str, list[int]] = {name: [] for name in SOURCES}  # a run cut short is not comparable
@@ -112,6 +125,30 @@ def main() -> None:
                 taus[name].append(tau(ckpt / "draft", held, 64))
                 print(name, seed, taus[name][-1], flush=True)
             write_report(report, start, taus, steps, a.out)
+
+
+def census(bootstrap: str, workload: str, fingerprint: str) -> dict[str, float]:
+    """What a trainer of the workload reads: requests and completion positions, training and held out
+    apart, and how many pieces the requests join into (a request whose records do not join is
+    learnt from in pieces, each without the context before it)."""
+    reader = RecordConsumer(bootstrap, [workload], f"census-{uuid.uuid4().hex[:6]}", fingerprint)
+    joiner = RequestAssembler()
+    pieces: list[HiddenStateRecord] = []
+    idle = time.monotonic()
+    while time.monotonic() - idle < 10:  # until nothing more comes for 10 s
+        for c in reader.poll(256, 1.0):
+            pieces += joiner.add(c.record)
+            idle = time.monotonic()
+    reader.close()
+    pieces += joiner.flush(everything=True)
+    out: dict[str, float] = {}
+    for kind, held in (("train", False), ("held_out", True)):
+        mine = [r for r in pieces if r.held_out == held]
+        out[f"{kind}_requests"] = len({r.request_id for r in mine})
+        out[f"{kind}_pieces"] = len(mine)
+        out[f"{kind}_positions"] = sum(int((~r.prefill).sum()) for r in mine)
+        out[f"{kind}_prompt_positions"] = sum(int(r.prefill.sum()) for r in mine)
+    return out
 
 
 def write_report(
