@@ -496,18 +496,24 @@ class Engine:
             return [None] * len(seqs)
         b, c = len(seqs), self.controller
         rival = [1.0] * b
+        drafts: dict[str, float] = {}  # per workload: the controller's estimate, this machine's step times
         for key, idx in (groups or {}).items():
             st = self.drafts[key].stats
             for i in idx:
-                if c is not None:  # the controller's estimate and this machine's step times
-                    tau = c.tracker(seqs[i].workload).tau(gamma)
-                    rival[i] = tau * c.costs.step_time(b, 0) / c.costs.step_time(b, gamma)
+                w = seqs[i].workload
+                if c is not None:
+                    if w not in drafts:
+                        drafts[w] = (
+                            c.tracker(w).tau(gamma) * c.costs.step_time(b, 0) / c.costs.step_time(b, gamma)
+                        )
+                    rival[i] = drafts[w]
                 else:  # untried: one token a step more, say; drafting's own time unknown
                     tau = st.mean_accept_length if st.steps else 2.0
                     rival[i] = tau / (1.0 + gamma * self.suffix.cfg.step_cost)
         cost = c.costs.verify_costs(b) if c is not None else None
         picks: list[SuffixProposal | None] = []
         try:
+            self.suffix.take_fed()
             for i, seq in enumerate(seqs):
                 context = self.batch.tokens[i, : int(self.batch.lengths[i]) + 1]
                 p = self.suffix.propose(seq.workload, context, self.cfg.max_gamma, cost)

@@ -17,8 +17,8 @@ draft's.
 
 It needs no hidden states and runs no model: it serves before any draft exists, and the moment
 a workload repeats itself. Other nodes' finished requests can come in too (`feed`, from any
-thread: `suffix_feed.py` reads them off the workload topics); they join the indexes at the engine's
-next proposal, and a request this node served itself is not indexed twice.
+thread: `suffix_feed.py` reads them off the workload topics); they join the indexes when the
+engine next drafts (`take_fed`), and a request this node served itself is not indexed twice.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ class SuffixProposer:
             self.indexes[workload] = SuffixIndex(self.cfg.tokens)
         self.indexes[workload].add(tokens)
 
-    def _take_fed(self) -> None:
+    def take_fed(self) -> None:
+        """Index what the feed brought (engine thread, once a step)."""
         while True:
             try:
                 workload, rid, tokens = self._inbox.get_nowait()
@@ -146,7 +147,6 @@ class SuffixProposer:
         """Up to `limit` tokens to follow `context` (its last token is the one being decoded), as
         many as maximise tokens per second; None where no proposal pays. `cost[k]`: the verify time
         of k + 1 tokens per row over one token's (default: `step_cost` per extra token)."""
-        self._take_fed()
         cfg = self.cfg
         limit = min(limit, cfg.max_tokens)
         if cost is None:

@@ -44,11 +44,6 @@ class SuffixFeed:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tide-suffix-feed", daemon=True)
 
-    @property
-    def assigned(self) -> bool:
-        """Whether the broker has handed this feed its partitions (records before that are not read)."""
-        return self.consumer.assigned
-
     def start(self) -> None:
         self._thread.start()
 

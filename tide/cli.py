@@ -376,6 +376,8 @@ def serve(
     from tide.serving.engine import EngineConfig
 
     _check_proposer(proposer)
+    if suffix_feed and (not kafka or proposer == "draft"):
+        raise typer.BadParameter("needs --kafka and --proposer suffix or hybrid", param_hint="--suffix-feed")
     if engine == "vllm":
         if proposer != "draft":
             raise typer.BadParameter("a vLLM node drafts with the draft only", param_hint="--proposer")
@@ -389,8 +391,6 @@ def serve(
         return
     if engine != "tide":
         raise typer.BadParameter("tide or vllm", param_hint="--engine")
-    if suffix_feed and (not kafka or proposer == "draft"):
-        raise typer.BadParameter("needs --kafka and --proposer suffix or hybrid", param_hint="--suffix-feed")
     adaptive = gamma == "auto"
     try:
         fixed_gamma = 0 if adaptive else int(gamma)
