@@ -71,7 +71,7 @@ def test_bench_records_report(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output + repr(res.exception)
     r = json.loads(out.read_text())
     assert (tmp_path / "r.png").stat().st_size > 1000
-    assert set(r["codecs"]) == {"bf16", "int8-g64", "fp8-g64"}
+    assert set(r["codecs"]) == {"bf16", "int8-g64", "fp8-g64", "int4-g32"}
     raw = r["raw_bf16_bytes_per_token"]
     assert raw > 4 * 576 * 2  # three aux states and the final one, in bf16, per position
     bf16, int8, fp8 = (r["codecs"][c] for c in ("bf16", "int8-g64", "fp8-g64"))
@@ -80,6 +80,9 @@ def test_bench_records_report(tmp_path: Path) -> None:
         assert q["bytes_per_token"] < 0.6 * raw and not q["lossless"]
         assert 0 < q["rel_error_median"] <= q["rel_error_p95"] < 0.1
         assert q["target_kl"] >= 0 and q["draft_tau_ratio"] > 0
+    int4 = r["codecs"]["int4-g32"]
+    assert int4["bytes_per_token"] < int8["bytes_per_token"] and 0 < int4["rel_error_p95"] < 0.3
+    assert int4["target_kl"] == pytest.approx(int8["target_kl"])  # the same final-state codec
     assert r["tokens_per_s_on"] > 0 and r["tokens_per_s_off"] > 0 and r["records_published"] > 0
     assert -1 < r["capture_overhead"] < 1
 

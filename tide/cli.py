@@ -300,7 +300,9 @@ def serve(
     kafka: str | None = typer.Option(
         None, "--kafka", help="bootstrap servers: publish captured hidden states there (unset: no capture)"
     ),
-    codec: str = typer.Option("int8-g64", "--codec", help="record codec: bf16, int8-g64 or fp8-g64"),
+    codec: str = typer.Option(
+        "int8-g64", "--codec", help="record codec: bf16, int8-g64, fp8-g64 or int4-g32"
+    ),
     chunk_positions: int = typer.Option(128, "--chunk-positions", help="positions per Kafka record at most"),
     capture: str = typer.Option(
         "*=on", "--capture", help="capture rules, e.g. 'code=on,chat=0.25,*=off' (also at /admin/capture)"
@@ -894,8 +896,9 @@ def bench_records(
     out: Path = typer.Option(Path("out/bench_records.json"), "--out"),
     limit: int = typer.Option(32, "--limit", help="prompts the target answers"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
-    codecs: str = typer.Option(",".join(("bf16", "int8-g64", "fp8-g64")), "--codecs"),
+    codecs: str = typer.Option("bf16,int8-g64,fp8-g64,int4-g32", "--codecs"),
     train_steps: int = typer.Option(200, "--train-steps", help="training steps per draft compared"),
+    seeds: str = typer.Option("0", "--seeds", help="training seeds, e.g. 0,1,2: τ ratios are their median"),
     model: str | None = typer.Option(None, "--model"),
     plot: Path | None = typer.Option(None, "--plot", help="PNG: bytes, error and draft quality per codec"),
 ) -> None:
@@ -906,7 +909,11 @@ def bench_records(
     chosen = tuple(c.strip() for c in codecs.split(",") if c.strip())
     if not chosen or any(c not in CODECS for c in chosen):
         raise typer.BadParameter(f"choose from {', '.join(CODECS)}", param_hint="--codecs")
-    cfg = RecordsBenchConfig(prompts, limit, max_new_tokens, chosen, train_steps, model=model)
+    try:
+        seed_list = tuple(int(x) for x in seeds.split(","))
+    except ValueError:
+        raise typer.BadParameter("comma-separated integers", param_hint="--seeds") from None
+    cfg = RecordsBenchConfig(prompts, limit, max_new_tokens, chosen, train_steps, seed_list, model=model)
     with _clear_errors():
         report = run_records_bench(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,11 +5,13 @@ The target answers the prompts once; its tapped states are the raw data. Each co
 encoded and decoded exactly as they travel through Kafka. Fidelity is judged three ways: relative
 L2 error per token and layer, KL between the target's next-token distribution from the original
 and from the decoded final state, and — what matters — the held-out τ of a draft trained on decoded
-records over one trained on the raw ones (same data, same order, same steps, same raw test set).
+records over one trained on the raw ones (same data, same order, same steps, same raw test set),
+once per seed: a ratio is the median of the per-seed ratios, reported with their range.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ class RecordsBenchConfig:
     max_new_tokens: int = 128
     codecs: tuple[str, ...] = CODECS
     train_steps: int = 200
+    seeds: tuple[int, ...] = (0,)  # each trains a raw draft and one per codec; ratios are per seed
     overhead_rounds: int = 4
     model: str | None = None
 
@@ -84,8 +87,12 @@ def _kl(orig: torch.Tensor, dec: torch.Tensor, lm_head: torch.Tensor) -> torch.T
     return torch.cat(out)
 
 
-def _held_out_tau(target: Target, train_set: list[Example], test_set: list[Example], steps: int) -> float:
-    cfg = BootstrapConfig(budget_minutes=10**6, max_steps=steps, eval_every=10**9)
+def _held_out_tau(
+    target: Target, train_set: list[Example], test_set: list[Example], steps: int, seed: int
+) -> float:
+    cfg = BootstrapConfig(
+        budget_minutes=10**6, max_steps=steps, eval_every=10**9, train=TrainConfig(seed=seed)
+    )
     draft, _ = train(target, train_set, cfg, time.monotonic() + 10**9, "bench")
     lm_head = target.model.lm_head.weight.detach().float()
     return Trainer(draft, lm_head, TrainConfig()).evaluate(test_set).tau[-1]
@@ -97,7 +104,8 @@ def _capture_overhead(target: Target, prompts: list[list[int]], cfg: RecordsBenc
     seconds = {"off": 0.0, "on": 0.0}
     tokens = {"off": 0, "on": 0}
     with tempfile.TemporaryDirectory() as tmp, KafkaBroker(Path(tmp)) as broker:
-        publisher = RecordPublisher(PublisherConfig(broker.bootstrap, "int8-g64"), target.fingerprint)
+        # the codec a node publishes with unless told otherwise
+        publisher = RecordPublisher(PublisherConfig(broker.bootstrap), target.fingerprint)
         engines = {
             "off": Engine(target, None, EngineConfig(max_batch=4, max_model_len=2048, gamma=0)),
             "on": Engine(target, None, EngineConfig(max_batch=4, max_model_len=2048, gamma=0), tap=publisher),
@@ -139,10 +147,12 @@ def run_records_bench(cfg: RecordsBenchConfig) -> dict[str, Any]:
         "positions": positions,
         "raw_bf16_bytes_per_token": raw_bytes / positions,
         "train_steps": cfg.train_steps,
+        "seeds": list(cfg.seeds),
         "codecs": {},
     }
-    tau_raw = _held_out_tau(target, examples[:cut], test_raw, cfg.train_steps)
-    report["tau_raw"] = tau_raw
+    tau_raw = [_held_out_tau(target, examples[:cut], test_raw, cfg.train_steps, seed) for seed in cfg.seeds]
+    report["tau_raw"] = statistics.median(tau_raw)
+    report["tau_raw_by_seed"] = tau_raw
     for codec in tqdm(cfg.codecs, desc="codecs", unit="codec"):
         size, decoded, errors, kls = 0, [], [], []
         for ex in examples:
@@ -162,15 +172,22 @@ def run_records_bench(cfg: RecordsBenchConfig) -> dict[str, Any]:
             for a, b in zip(examples, decoded, strict=True)
         )
         # identical training data trains an identical draft: no need to spend the time again
-        tau = tau_raw if lossless else _held_out_tau(target, decoded[:cut], test_raw, cfg.train_steps)
+        tau = tau_raw
+        if not lossless:
+            tau = [
+                _held_out_tau(target, decoded[:cut], test_raw, cfg.train_steps, seed) for seed in cfg.seeds
+            ]
+        ratios = [t / r for t, r in zip(tau, tau_raw, strict=True)]
         report["codecs"][codec] = {
             "bytes_per_token": size / positions,
             "compression_vs_raw_bf16": raw_bytes / size,
             "rel_error_median": float(err.median()),
             "rel_error_p95": float(err.quantile(0.95)),
             "target_kl": float(torch.cat(kls).mean()),
-            "tau": tau,
-            "draft_tau_ratio": tau / tau_raw,
+            "tau": statistics.median(tau),
+            "tau_by_seed": tau,
+            "draft_tau_ratio": statistics.median(ratios),
+            "draft_tau_ratio_range": [min(ratios), max(ratios)],
             "lossless": lossless,
         }
     prompts = [p.token_ids(target.tok) for p in chosen[:8]]
