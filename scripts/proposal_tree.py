@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tide.bench.spec import ModeResult
 from tide.config import native_dtype
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
@@ -127,19 +128,9 @@ def step_tokens(r: RowStep) -> tuple[int, int]:
     return min(1 + common_prefix(r.draft, truth), end), min(1 + common_prefix(r.offer, truth), end)
 
 
-@dataclass
-class PolicyScore:
-    tokens: float = 0.0
-    seconds: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def score(rows: list[RowStep], profile: StepProfile, gamma: int, overhead: float) -> dict[str, PolicyScore]:
+def score(rows: list[RowStep], profile: StepProfile, gamma: int, overhead: float) -> dict[str, ModeResult]:
     """Tokens and seconds of each policy over the recorded steps (batch 1: one row a step)."""
-    out = {name: PolicyScore() for name in ("hybrid", "draft", "tree")}
+    out = {name: ModeResult() for name in ("hybrid", "draft", "tree")}
     drafting = profile.drafting(gamma)
     for r in rows:
         t_d, t_s = step_tokens(r)
