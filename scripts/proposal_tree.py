@@ -100,7 +100,8 @@ class RecordingEngine(Engine):
         step = []
         for i, (seq, pick) in enumerate(zip(seqs, picks, strict=True)):
             context = self.batch.tokens[i, : int(self.batch.lengths[i]) + 1]
-            raw = self.suffix.propose(seq.workload, context, self.cfg.max_gamma)
+            # what the index offers, chosen or not (no controller here: the engine asked the same)
+            raw = pick or self.suffix.propose(seq.workload, context, self.cfg.max_gamma)
             step.append(RowStep(seq, len(context) - 1, raw.tokens if raw else [], pick is not None))
         self.speculator.pending = step
         self.rows += step
