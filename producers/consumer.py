@@ -33,6 +33,7 @@ class ConsumedRecord:
     topic: str
     partition: int
     offset: int
+    size: int  # the message's bytes, as it travelled
 
 
 @dataclass
@@ -108,8 +109,9 @@ class RecordConsumer:
             topic, partition, offset = str(msg.topic()), int(msg.partition() or 0), int(msg.offset() or 0)
             where = f"{topic}:{partition}"
             self.positions[where] = max(self.positions.get(where, 0), offset + 1)
+            value = msg.value() or b""
             try:
-                record = decode(msg.value() or b"", self.fingerprint, self.shape, workload_of(topic))
+                record = decode(value, self.fingerprint, self.shape, workload_of(topic))
             except RecordError as e:
                 self.stats.refused[e.reason] += 1
                 if not isinstance(e, ForeignTarget | SchemaMismatch):  # those are expected, not poison
@@ -120,7 +122,7 @@ class RecordConsumer:
                 log.exception("skipping a record at %s@%s that failed to decode: %s", where, offset, e)
                 continue
             self.stats.records += 1
-            out.append(ConsumedRecord(record, topic, partition, offset))
+            out.append(ConsumedRecord(record, topic, partition, offset, len(value)))
         return out
 
     def commit(self, consumed: list[ConsumedRecord]) -> None:

@@ -30,7 +30,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from tide.names import topic_for
-from tide.producers.records import CODECS, HiddenStateRecord, encode
+from tide.producers.records import CODECS, DEFAULT_CODEC, HiddenStateRecord, encode
 from tide.producers.tap import TapEvent
 from tide.producers.topics import TopicConfig, ensure_topic
 
@@ -40,7 +40,7 @@ log = logging.getLogger("tide.producers")
 @dataclass
 class PublisherConfig:
     bootstrap: str
-    codec: str = "int8-g64"
+    codec: str = DEFAULT_CODEC
     chunk_positions: int = 128
     queue_records: int = 256  # encoded records waiting for the worker
     buffer_kbytes: int = 64 * 1024  # librdkafka's in-memory buffer

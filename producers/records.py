@@ -38,6 +38,7 @@ from safetensors.torch import save as st_save
 
 SCHEMA_VERSION = "1"
 CODECS = ("bf16", "int8-g64", "fp8-g64", "int4-g32")
+DEFAULT_CODEC = "int4-g32"  # what nodes publish with, and trainers keep states in, unless told otherwise
 GROUP = 64  # int4-g32's groups are half of it: a width any codec quantizes is a multiple of GROUP
 GROUP4, OUTLIERS = 32, 8
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -242,7 +243,7 @@ def decode_tensor(t: dict[str, torch.Tensor], name: str, codec: str) -> torch.Te
 
 
 # -- bytes ------------------------------------------------------------------------------------------
-def encode(record: HiddenStateRecord, codec: str = "int8-g64", zstd: bool = True) -> bytes:
+def encode(record: HiddenStateRecord, codec: str = DEFAULT_CODEC, zstd: bool = True) -> bytes:
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
     tensors = {

@@ -83,8 +83,11 @@ def test_bench_records_report(tmp_path: Path) -> None:
     int4 = r["codecs"]["int4-g32"]
     assert int4["bytes_per_token"] < int8["bytes_per_token"] and 0 < int4["rel_error_p95"] < 0.3
     assert int4["target_kl"] == pytest.approx(int8["target_kl"])  # the same final-state codec
-    assert r["tokens_per_s_on"] > 0 and r["tokens_per_s_off"] > 0 and r["records_published"] > 0
-    assert -1 < r["capture_overhead"] < 1
+    assert r["tokens_per_s_off"] > 0
+    for row in r["codecs"].values():  # each codec's capture was measured publishing to the broker
+        assert -1 < row["capture_overhead"] < 1 and row["capture_records_lost"] == 0
+        low, high = row["capture_overhead_range"]
+        assert low <= row["capture_overhead"] <= high  # the median over rounds, with its spread
 
 
 @pytest.mark.slow  # starts a real server
@@ -102,6 +105,9 @@ def test_bench_training_report(tmp_path: Path) -> None:
     assert r["storage_bytes_offline"] == r["positions"] * 4 * 576 * 2
     assert r["storage_bytes_tide"] == r["storage_topic_peak_bytes"] + r["storage_replay_peak_bytes"] > 0
     assert 1.5 < r["codec_factor"] < 4  # int8 with group scales, zstd
+    # sized from the rate the trainer measured: one partition keeps a slice and a half of it
+    assert r["topic"]["partitions"] == 1 and r["traffic_bytes_per_s"] > 0
+    assert r["topic"]["retention_bytes"] >= r["topic"]["segment_bytes"] >= 1 << 20
 
 
 def test_bench_shift_report(trained_draft_dir: Path, tmp_path: Path) -> None:

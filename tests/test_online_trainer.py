@@ -18,15 +18,18 @@ from typing import Any
 import pytest
 import torch
 from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource
 from mlflow import MlflowClient
+from safetensors import safe_open
 
 from tide.infra.kafka.broker import KafkaBroker
 from tide.infra.mlflow.server import MlflowServer
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_head
 from tide.names import model_name, topic_for, trainer_group
+from tide.producers.records import DEFAULT_CODEC
 from tide.registry.trainer_sink import MlflowSink, champion_folder
-from tide.trainers.checkpoint import Ledger, load_checkpoint
+from tide.trainers.checkpoint import Ledger, current_checkpoint, load_checkpoint
 from tide.trainers.online import OnlineConfig, OnlineTrainer
 from tide.trainers.reader import WorkloadTaken, claim_workload
 
@@ -45,8 +48,9 @@ def test_trainer_publishes_candidates_with_their_evidence(
     head = load_head()
     # every evaluation publishes (publish_every=1): this test is about the evidence a candidate carries;
     # whether a few steps improve on the draft varies from machine to machine (it failed CI at 0 candidates)
+    # resize_every_s=0: the topic is sized from the traffic as soon as there is a rate to size it by
     cfg = OnlineConfig(kafka.bootstrap, workload, tmp_path / "state", eval_every=4, checkpoint_every=8,
-                       publish_every=1, vocab_warmup_positions=512)  # fmt: skip
+                       publish_every=1, vocab_warmup_positions=512, resize_every_s=0.0)  # fmt: skip
     sink = MlflowSink(registry.url, workload, head.fingerprint, {"batch_size": cfg.batch_size})
     trainer = OnlineTrainer(cfg, head, trained_draft_dir, sink, sink.log_step)
     # steps trained between two polls: a trainer behind its topic must poll within Kafka's
@@ -85,6 +89,18 @@ def test_trainer_publishes_candidates_with_their_evidence(
     assert len(trainer.replay) + len(trainer.held_out) == len(requests) == 16 < len(published)
     assert ledger.candidates >= 1 and ledger.steps > 0
     assert all(n <= most for n, most in zip(between, allowed, strict=True)), (between, allowed)
+    # the topic keeps what a trainer half an hour behind needs, at the rate the records were made
+    assert trainer.sizer is not None and trainer.sizer.applied is not None and ledger.outages == 0
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic_for(workload))
+    settings = (
+        AdminClient({"bootstrap.servers": kafka.bootstrap}).describe_configs([resource])[resource].result(30)
+    )
+    assert settings["retention.bytes"].value == str(trainer.sizer.applied.retention_bytes) != "-1"
+    # the checkpoint keeps the replay buffer's states as records carry them
+    folder = current_checkpoint(tmp_path / "state" / "checkpoints")
+    assert folder is not None
+    with safe_open(str(folder / "replay.safetensors"), "pt") as f:
+        assert f.metadata()["codec"] == cfg.codec == DEFAULT_CODEC
 
     client = MlflowClient(registry.url)
     versions = client.search_model_versions(f"name = '{model_name(head.fingerprint, workload)}'")

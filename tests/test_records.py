@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load as st_load
+from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
 from tide.producers.records import (
@@ -165,3 +167,24 @@ def test_the_4_bit_codec_keeps_massive_activations_exact_to_bf16() -> None:
     out = decode(encode(rec, "int4-g32"), FP)
     assert torch.equal(out.aux[0, :8], rec.aux[0, :8].to(torch.bfloat16))
     assert torch.equal(out.aux[8, 576 + 3], rec.aux[8, 576 + 3].to(torch.bfloat16))
+
+
+DATA = Path(__file__).parent / "data" / "records"
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_records_written_by_an_older_node_still_decode(codec: str) -> None:
+    """`tests/data/records/<codec>.bin` were written by the nodes of commit 799bf8e (int4-g32's first);
+    `states.safetensors` holds the states they encoded. Readers must decode every codec a node
+    still running an older version may publish."""
+    want = load_file(str(DATA / "states.safetensors"))
+    rec = decode((DATA / f"{codec}.bin").read_bytes(), expect_fingerprint="f" * 64)
+    assert (rec.workload, rec.request_id, rec.chunk, rec.first_position) == ("code", "node-a-17", 2, 256)
+    assert rec.last and not rec.held_out and rec.created_at == 1796000000.5
+    assert rec.tokens.equal(want["tokens"].long()) and rec.prefill.equal(want["prefill"].bool())
+    aux_err, hidden_err = (
+        float(_rel_err(got, w, 1).max()) for got, w in ((rec.aux, want["aux"]), (rec.hidden, want["hidden"]))
+    )
+    bound = {"bf16": 0.0, "int8-g64": 0.02, "fp8-g64": 0.05, "int4-g32": 0.2}[codec]
+    assert aux_err <= bound and hidden_err <= max(bound, 0.02 if codec == "int4-g32" else 0.0)
+    assert torch.equal(rec.aux[0, :4], want["aux"][0, :4]) or codec in ("int8-g64", "fp8-g64")

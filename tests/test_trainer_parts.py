@@ -5,12 +5,16 @@ draft's data collection."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from tide.producers.records import CODECS, decode_tensor, encode_tensor
+from tide.trainers.checkpoint import load_examples, save_examples
 from tide.trainers.examples import keep_recent, turned_over
 from tide.trainers.replay import ReplayBuffer
 from tide.trainers.ttt import Example, select_vocab
@@ -63,7 +67,7 @@ def test_the_replay_buffer_keeps_states_at_half_their_size() -> None:
     ex = Example.make(
         torch.arange(n), torch.randn(n, 3 * d).bfloat16(), torch.randn(n, d).bfloat16(), None, 5, 7.0
     )
-    buffer = ReplayBuffer(10, [ex])
+    buffer = ReplayBuffer(10, [ex], "int8-g64")
     (back,) = buffer.examples()
     assert back.tokens.equal(ex.tokens) and (back.learn_from, back.created_at) == (5, 7.0)
     for a, b in ((back.aux, ex.aux), (back.hidden, ex.hidden)):
@@ -259,3 +263,60 @@ def test_collecting_a_drafts_data_keeps_at_most_one_batch_in_flight(monkeypatch:
     examples = collect(target, prompts, cfg, deadline=time.monotonic() + 600)  # type: ignore[arg-type]
     assert len(examples) == 10
     assert max(in_flight) == 3
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_saved_examples_keep_their_states_in_a_record_codec(codec: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    n, d = 40, 128
+    aux = torch.randn(n, 3 * d).bfloat16()
+    ex = Example.make(torch.arange(n), aux, torch.randn(n, d).bfloat16(), None, 5, 7.0)
+    two = [ex, Example.make(ex.tokens.clone(), aux.clone(), ex.hidden.clone(), None, 5, 7.0)]
+    save_examples(two, tmp_path / "x.safetensors", codec)
+    back = load_examples(tmp_path / "x.safetensors")
+    assert (
+        len(back) == 2
+        and back[1].tokens.equal(ex.tokens)
+        and (back[1].learn_from, back[1].created_at) == (5, 7.0)
+    )
+    # what a record in this codec would have carried, to the bit
+    want = {"aux": decode_tensor(encode_tensor("aux", aux, codec), "aux", codec)}
+    assert back[0].aux.equal(want["aux"]) and back[0].aux.dtype == torch.bfloat16
+    raw = (tmp_path / "x.safetensors").stat().st_size
+    save_examples(two, tmp_path / "bf16.safetensors")
+    assert raw <= (tmp_path / "bf16.safetensors").stat().st_size
+    if codec == "int4-g32":
+        assert raw < 0.4 * (tmp_path / "bf16.safetensors").stat().st_size
+
+
+def test_examples_saved_before_codecs_still_load(tmp_path: Path) -> None:
+    """A checkpoint from an older trainer: bf16 states and no codec in the metadata."""
+    n = 4
+    aux, hidden = torch.randn(n, 6).bfloat16(), torch.randn(n, 2).bfloat16()
+    old = {"0.tokens": torch.arange(n), "0.aux": aux, "0.hidden": hidden, "0.best": torch.empty(0, dtype=torch.long),
+           "0.learn_from": torch.tensor([1])}  # fmt: skip
+    save_file(old, str(tmp_path / "old.safetensors"), metadata={"examples": "1"})
+    (back,) = load_examples(tmp_path / "old.safetensors")
+    assert back.aux.equal(aux) and back.hidden.equal(hidden) and back.created_at == 0.0
+
+
+def test_examples_in_an_unknown_codec_are_refused(tmp_path: Path) -> None:
+    save_file({"0.tokens": torch.arange(2)}, str(tmp_path / "x.safetensors"), metadata={"codec": "int2"})
+    with pytest.raises(ValueError, match="unknown codec"):
+        load_examples(tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="unknown codec"):
+        save_examples([], tmp_path / "y.safetensors", "int2")
+    with pytest.raises(ValueError, match="unknown codec"):
+        ReplayBuffer(4, [], "int2")
+
+
+def test_the_replay_buffer_keeps_states_in_its_codec() -> None:
+    torch.manual_seed(0)
+    n, d = 40, 128
+    ex = Example.make(
+        torch.arange(n), torch.randn(n, 3 * d).bfloat16(), torch.randn(n, d).bfloat16(), None, 5
+    )
+    sizes = {c: sum(t.nbytes for t in ReplayBuffer(4, [ex], c)._kept[0].states.values()) for c in CODECS}
+    assert sizes["int4-g32"] < sizes["int8-g64"] < sizes["bf16"]
+    (back,) = ReplayBuffer(4, [ex], "int4-g32").examples()
+    assert back.aux.equal(decode_tensor(encode_tensor("aux", ex.aux, "int4-g32"), "aux", "int4-g32"))

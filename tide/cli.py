@@ -19,6 +19,7 @@ from tide.config import (
     parse_dtype,
 )
 from tide.models.loader import Target
+from tide.producers.records import DEFAULT_CODEC
 from tide.prompts import Prompt
 
 PROPOSER_HELP = (
@@ -212,6 +213,12 @@ def train_online(
         "--replay-when-idle/--no-replay-when-idle",
         help="train on the replay buffer while no record comes",
     ),
+    codec: str = typer.Option(
+        DEFAULT_CODEC, "--codec", help="record codec the replay buffer and checkpoints keep states in"
+    ),
+    topic_keep_minutes: float = typer.Option(
+        30.0, "--topic-keep-minutes", help="the topic is sized to keep this much of its traffic (0: as made)"
+    ),
     seed: int = typer.Option(0, "--seed", help="seeds which examples each step samples"),
     verbose: bool = typer.Option(False, "--verbose"),
 ) -> None:
@@ -224,6 +231,8 @@ def train_online(
 
     from tide.config import cache_dir
     from tide.models.loader import load_head
+    from tide.producers.records import CODECS
+    from tide.producers.topics import TopicSizing
     from tide.registry.trainer_sink import MlflowSink, champion_folder
     from tide.serving.capture import check_workload
     from tide.trainers.online import OnlineConfig, OnlineTrainer
@@ -234,6 +243,8 @@ def train_online(
         check_workload(workload)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--workload") from None
+    if codec not in CODECS:
+        raise typer.BadParameter(f"choose one of {', '.join(CODECS)}", param_hint="--codec")
     random.seed(seed)
     torch.manual_seed(seed)
     with _clear_errors():
@@ -242,6 +253,7 @@ def train_online(
         cfg = OnlineConfig(
             kafka, workload, state, eval_every=eval_every, checkpoint_every=checkpoint_every,
             publish_every=publish_every, vocab_warmup_positions=vocab_warmup, replay_when_idle=replay_when_idle,
+            codec=codec, topic_sizing=TopicSizing(topic_keep_minutes * 60) if topic_keep_minutes > 0 else None,
         )  # fmt: skip
         sink = None
         if mlflow:
@@ -301,7 +313,7 @@ def serve(
         None, "--kafka", help="bootstrap servers: publish captured hidden states there (unset: no capture)"
     ),
     codec: str = typer.Option(
-        "int8-g64", "--codec", help="record codec: bf16, int8-g64, fp8-g64 or int4-g32"
+        DEFAULT_CODEC, "--codec", help="record codec: bf16, int8-g64, fp8-g64 or int4-g32"
     ),
     chunk_positions: int = typer.Option(128, "--chunk-positions", help="positions per Kafka record at most"),
     capture: str = typer.Option(
@@ -897,7 +909,9 @@ def bench_records(
     limit: int = typer.Option(32, "--limit", help="prompts the target answers"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     codecs: str = typer.Option("bf16,int8-g64,fp8-g64,int4-g32", "--codecs"),
-    train_steps: int = typer.Option(200, "--train-steps", help="training steps per draft compared"),
+    train_steps: int = typer.Option(
+        200, "--train-steps", help="training steps per draft compared (0: no drafts, no τ ratios)"
+    ),
     seeds: str = typer.Option("0", "--seeds", help="training seeds, e.g. 0,1,2: τ ratios are their median"),
     model: str | None = typer.Option(None, "--model"),
     plot: Path | None = typer.Option(None, "--plot", help="PNG: bytes, error and draft quality per codec"),
@@ -918,10 +932,12 @@ def bench_records(
         report = run_records_bench(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    keep = ("bytes_per_token", "rel_error_median", "rel_error_p95", "target_kl", "draft_tau_ratio")
-    brief = {c: {k: round(r[k], 4) for k in keep} for c, r in report["codecs"].items()}
+    keep = ("bytes_per_token", "rel_error_median", "rel_error_p95", "target_kl", "draft_tau_ratio",
+            "capture_overhead")  # fmt: skip
+    brief = {
+        c: {k: r[k] if r[k] is None else round(r[k], 4) for k in keep} for c, r in report["codecs"].items()
+    }
     brief["raw_bf16_bytes_per_token"] = round(report["raw_bf16_bytes_per_token"], 1)
-    brief["capture_overhead"] = round(report["capture_overhead"], 4)
     typer.echo(json.dumps(brief, indent=2))
     if plot is not None:
         plot_records_report(report, plot)
@@ -938,7 +954,11 @@ def bench_training(
     slice_requests: int = typer.Option(
         8, "--slice-requests", help="requests served between trainer catch-ups"
     ),
-    retention_mb: float = typer.Option(1.0, "--retention-mb", help="topic retention per partition"),
+    keep_slices: float = typer.Option(
+        1.5,
+        "--keep-slices",
+        help="the topic is sized to keep this many slices of traffic (the trainer's lag)",
+    ),
     replay_positions: int = typer.Option(2048, "--replay-positions"),
     model: str | None = typer.Option(None, "--model"),
 ) -> None:
@@ -947,7 +967,7 @@ def bench_training(
 
     cfg = TrainingBenchConfig(
         prompts, requests, max_new_tokens, slice_requests, replay_positions=replay_positions,
-        retention_bytes=int(retention_mb * (1 << 20)), model=model,
+        keep_slices=keep_slices, model=model,
     )  # fmt: skip
     with _clear_errors():
         report = run_training_bench(cfg)

@@ -1,4 +1,5 @@
-"""A trainer's durable state: draft, optimizer, replay buffer, held-out set and the ledger.
+"""A trainer's durable state: draft, optimizer, replay buffer and held-out set (their states in a
+record codec, as the records carried them) and the ledger.
 
 The ledger lists the (request id, chunk) pairs whose training the checkpoint holds, with the next
 offset of every partition read. A checkpoint is a fresh folder `ckpt-<steps>`; `CURRENT` names the
@@ -20,9 +21,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tide.models.eagle3 import Eagle3Draft
+from tide.producers.records import CODECS, DEFAULT_CODEC, decode_tensor, encode_tensor
 from tide.trainers.ttt import Example
 
 
@@ -106,7 +109,7 @@ class Checkpoint:
 
 def save_checkpoint(
     root: Path, ledger: Ledger, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, replay: list[Example],
-    held_out: list[Example],
+    held_out: list[Example], codec: str = DEFAULT_CODEC,
 ) -> Path:  # fmt: skip
     if not finite_weights(draft):  # a resume would refuse them (Eagle3Draft.load), every time
         raise ValueError("the draft's weights are not finite: refusing to checkpoint them")
@@ -118,9 +121,9 @@ def save_checkpoint(
     draft.save(tmp / "draft")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if replay:
-        save_examples(replay, tmp / "replay.safetensors")
+        save_examples(replay, tmp / "replay.safetensors", codec)
     if held_out:
-        save_examples(held_out, tmp / "held_out.safetensors")
+        save_examples(held_out, tmp / "held_out.safetensors", codec)
     (tmp / "ledger.json").write_text(ledger.to_json())
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
@@ -179,28 +182,36 @@ def _fsync_tree(folder: Path) -> None:
             _fsync(p)
 
 
-def save_examples(examples: list[Example], path: Path) -> None:
-    """Keep collected hidden states (bf16 safetensors) so training can be rerun without the target."""
+def save_examples(examples: list[Example], path: Path, codec: str = "bf16") -> None:
+    """Keep collected hidden states so training can be rerun without the target: in a record codec
+    (`producers/records.py`), named in the file's metadata."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
     tensors: dict[str, torch.Tensor] = {}
     for i, ex in enumerate(examples):
         tensors[f"{i}.tokens"] = ex.tokens
-        tensors[f"{i}.aux"] = ex.aux.to(torch.bfloat16).contiguous()
-        tensors[f"{i}.hidden"] = ex.hidden.to(torch.bfloat16).contiguous()
+        tensors.update(encode_tensor(f"{i}.aux", ex.aux, codec))
+        tensors.update(encode_tensor(f"{i}.hidden", ex.hidden, codec))
         tensors[f"{i}.best"] = ex.best
         tensors[f"{i}.learn_from"] = torch.tensor([ex.learn_from])
         tensors[f"{i}.created_at"] = torch.tensor([ex.created_at], dtype=torch.float64)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"examples": str(len(examples))})
+    save_file(tensors, str(path), metadata={"examples": str(len(examples)), "codec": codec})
 
 
 def load_examples(path: Path) -> list[Example]:
+    """What `save_examples` kept, in whichever codec (files from before codecs hold bf16 states)."""
+    with safe_open(str(path), "pt") as f:
+        codec = (f.metadata() or {}).get("codec", "bf16")
+    if codec not in CODECS:
+        raise ValueError(f"{path}: unknown codec {codec!r}")
     t = load_file(str(path))
     n = len({k.split(".")[0] for k in t})
     return [
         Example(
             t[f"{i}.tokens"],
-            t[f"{i}.aux"],
-            t[f"{i}.hidden"],
+            decode_tensor(t, f"{i}.aux", codec),
+            decode_tensor(t, f"{i}.hidden", codec),
             t[f"{i}.best"],
             int(t[f"{i}.learn_from"][0]),
             float(t[f"{i}.created_at"][0]) if f"{i}.created_at" in t else 0.0,

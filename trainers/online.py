@@ -42,7 +42,8 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import TargetHead
 from tide.names import trainer_group
 from tide.producers.consumer import RecordConsumer
-from tide.producers.records import HeldOutWindow
+from tide.producers.records import DEFAULT_CODEC, HeldOutWindow
+from tide.producers.topics import TopicSizing
 from tide.trainers.checkpoint import (
     KeySet,
     Ledger,
@@ -54,7 +55,8 @@ from tide.trainers.checkpoint import (
 from tide.trainers.examples import in_window, turned_over
 from tide.trainers.outbox import Candidate, Outbox
 from tide.trainers.reader import RecordReader, claim_workload
-from tide.trainers.replay import ReplayBuffer, pack
+from tide.trainers.replay import ReplayBuffer
+from tide.trainers.topic_sizer import TopicSizer
 from tide.trainers.ttt import Example, Metrics, TrainConfig, Trainer, evaluate
 from tide.trainers.vocab import VocabFollower
 
@@ -72,6 +74,7 @@ class OnlineConfig:
     # examples are whole requests (a few hundred positions: about six of the records they came in)
     batch_size: int = 1  # new requests per step; as many again come from the replay buffer
     replay_size: int = 400  # requests kept for replay (and saved with the checkpoint)
+    codec: str = DEFAULT_CODEC  # how the replay buffer and checkpoints keep states (a record codec)
     # half of each replay batch comes from the newest this many requests: after a shift, steps
     # without new records (most of them: a trainer outpaces its traffic) train mostly on the new
     # workload instead of in proportion to its small share of the buffer
@@ -110,6 +113,9 @@ class OnlineConfig:
     # MLflow or Kafka away: retry after 1 s, 2 s, 4 s ... at most every minute
     backoff_first_s: float = 1.0
     backoff_cap_s: float = 60.0
+    # the topic keeps what a trainer this far behind still needs, measured from its traffic (None: as made)
+    topic_sizing: TopicSizing | None = field(default_factory=TopicSizing)
+    resize_every_s: float = 300.0
     train: TrainConfig | None = None
 
 
@@ -136,7 +142,7 @@ class OnlineTrainer:
         source = resumed.draft_dir if resumed else start_draft
         self.draft = Eagle3Draft.load(source, head.embed, head.config, head.fingerprint, torch.float32)
         self.ledger = resumed.ledger if resumed else Ledger()
-        self.replay = ReplayBuffer(cfg.replay_size, resumed.replay if resumed else [])
+        self.replay = ReplayBuffer(cfg.replay_size, resumed.replay if resumed else [], cfg.codec)
         self.held_out: list[Example] = resumed.held_out if resumed else []
         self.trainer = self._new_trainer()
         if resumed and resumed.optimizer:
@@ -145,6 +151,11 @@ class OnlineTrainer:
                                    resumed is not None, self._reset_optimizer)  # fmt: skip
         self.reader = RecordReader(cfg.bootstrap, cfg.workload, self.group, head, self.ledger,
                                    cfg.poll_records, cfg.ledger_keys)  # fmt: skip
+        self.sizer = (
+            TopicSizer(cfg.bootstrap, cfg.workload, cfg.topic_sizing, cfg.resize_every_s, self.ledger)
+            if cfg.topic_sizing
+            else None
+        )
         # late-bound: the consumer is the reader's, and what commits is looked up when it commits
         self.outbox = Outbox(publish, lambda offsets: self.consumer.commit_offsets(offsets), self.ledger,
                              cfg.backoff_first_s, cfg.backoff_cap_s)  # fmt: skip
@@ -181,6 +192,8 @@ class OnlineTrainer:
         started = idle_since = time.monotonic()
         while not (stop and stop.is_set()) and not (max_steps and self.ledger.steps >= max_steps):
             self.outbox.flush()
+            if self.sizer:
+                self.sizer(self.reader.traffic)
             replaying = self.cfg.replay_when_idle and self.vocab.fitted and bool(self.replay)
             fresh = self._read(0.05 if replaying else 1.0)
             if fresh is None:
@@ -219,7 +232,8 @@ class OnlineTrainer:
         fresh = self.vocab.admit(fresh, self.draft, force)
         if not self.vocab.fitted:
             return
-        kept = [pack(e) for e in fresh]  # vocabulary decisions read tokens alone: the bare examples
+        # vocabulary decisions read tokens alone: the bare examples
+        kept = [self.replay.pack(e) for e in fresh]
         self.vocab.follow([k.bare for k in kept], self.draft, self.replay.bare())
         n = self.cfg.batch_size
         for i in range(0, len(fresh), n):
@@ -330,9 +344,8 @@ class OnlineTrainer:
             records=self.ledger.records - len(held),
             offsets={w: min(o, holding.get(w, o)) for w, o in self.ledger.offsets.items()},
         )
-        save_checkpoint(
-            self.ckpt_dir, ledger, self.draft, self.trainer.opt, self.replay.examples(), self.held_out
-        )
+        replay, held_out = self.replay.examples(), self.held_out
+        save_checkpoint(self.ckpt_dir, ledger, self.draft, self.trainer.opt, replay, held_out, self.cfg.codec)
         self._fresh_steps = 0
         # the checkpoint holds them: a commit that fails only means records delivered again, which the
         # ledger recognises; the newest offsets are the ones to commit

@@ -13,6 +13,7 @@ from tide.models.loader import TargetHead
 from tide.producers.assembler import RequestAssembler, record_key
 from tide.producers.consumer import RecordConsumer
 from tide.producers.records import TargetShape
+from tide.producers.topics import TrafficMeter
 from tide.trainers.checkpoint import Ledger
 from tide.trainers.examples import example_of
 from tide.trainers.ttt import Example
@@ -56,6 +57,7 @@ class RecordReader:
         shape = TargetShape(head.config.hidden_size, head.config.vocab_size)
         self.consumer = RecordConsumer(bootstrap, [workload], group, head.fingerprint, shape=shape)
         self.requests = RequestAssembler()  # the draft learns each request whole, as it serves it
+        self.traffic = TrafficMeter()  # the topic's rate, for its size
 
     def read(self, batch_size: int, timeout: float) -> Read | None:
         """New examples from the next polls, until `batch_size` are read for training or a poll comes
@@ -87,6 +89,7 @@ class RecordReader:
                 continue
             ledger.trained.add(key)
             ledger.records += 1
+            self.traffic.add(c.record.created_at, c.size)
             requests += self.requests.add(c.record, where, c.offset)
         ledger.trim(self.ledger_keys)
         out = Read([], [])

@@ -1,10 +1,10 @@
 """The replay buffer: earlier requests a trainer trains on again, so the draft does not forget.
 
 It is most of what a trainer's memory grows by (a request's states are n × 4d values), so it keeps
-them as the records carry them on the wire: int8 codes with one bf16 scale per 64 values (the
-`int8-g64` codec of `producers/records.py`), about half their bf16 size, rebuilt for the steps that
-sample them. The error is that codec's (half a step of each group's largest value) plus bf16
-rounding: records sent int8-g64 are coded again after their bf16 rounding, and lose little more.
+them as the records carry them on the wire, in a record codec of `producers/records.py` (by default
+the one nodes publish with), rebuilt for the steps that sample them. The error is that codec's plus
+bf16 rounding: records sent in the same codec are coded again after their bf16 rounding, and lose
+little more.
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tide.producers.records import decode_tensor, encode_tensor
+from tide.producers.records import CODECS, DEFAULT_CODEC, decode_tensor, encode_tensor
 from tide.trainers.ttt import Example
-
-CODEC = "int8-g64"
 
 
 @dataclass
@@ -28,17 +26,25 @@ class Kept:
 
 
 class ReplayBuffer:
-    def __init__(self, size: int, examples: Iterable[Example] = ()):
-        self.size = size
+    def __init__(self, size: int, examples: Iterable[Example] = (), codec: str = DEFAULT_CODEC):
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+        self.size, self.codec = size, codec
         self._kept: list[Kept] = []
         self.extend(examples)
 
     def __len__(self) -> int:
         return len(self._kept)
 
+    def pack(self, e: Example) -> Kept:
+        """An example as the buffer keeps it; `.bare` holds its tokens without the states."""
+        empty = e.aux.new_empty(len(e.tokens), 0)
+        states = {**encode_tensor("aux", e.aux, self.codec), **encode_tensor("hidden", e.hidden, self.codec)}
+        return Kept(replace(e, aux=empty, hidden=empty), states)
+
     def extend(self, examples: Iterable[Example]) -> None:
         """Keep these as the newest; the oldest beyond `size` go."""
-        self.add([pack(e) for e in examples])
+        self.add([self.pack(e) for e in examples])
 
     def add(self, kept: list[Kept]) -> None:
         self._kept = (self._kept + kept)[-self.size :]
@@ -51,7 +57,7 @@ class ReplayBuffer:
     def sample(self, k: int, newest: int | None = None) -> list[Example]:
         """k at random (from the newest `newest`, if given), states rebuilt."""
         pool = self._kept[-newest:] if newest else self._kept
-        return [_unpack(x) for x in random.sample(pool, min(k, len(pool)))]
+        return [self._unpack(x) for x in random.sample(pool, min(k, len(pool)))]
 
     def batch(self, n: int, recent: int) -> list[Example]:
         """n examples from the newest `recent` and n from all of them."""
@@ -59,17 +65,11 @@ class ReplayBuffer:
 
     def examples(self) -> list[Example]:
         """All of them, states rebuilt, oldest first (a checkpoint keeps them)."""
-        return [_unpack(k) for k in self._kept]
+        return [self._unpack(k) for k in self._kept]
 
-
-def pack(e: Example) -> Kept:
-    """An example as the buffer keeps it; `.bare` holds its tokens without the states."""
-    empty = e.aux.new_empty(len(e.tokens), 0)
-    states = {**encode_tensor("aux", e.aux, CODEC), **encode_tensor("hidden", e.hidden, CODEC)}
-    return Kept(replace(e, aux=empty, hidden=empty), states)
-
-
-def _unpack(k: Kept) -> Example:
-    return replace(
-        k.bare, aux=decode_tensor(k.states, "aux", CODEC), hidden=decode_tensor(k.states, "hidden", CODEC)
-    )
+    def _unpack(self, k: Kept) -> Example:
+        aux, hidden = (
+            decode_tensor(k.states, "aux", self.codec),
+            decode_tensor(k.states, "hidden", self.codec),
+        )
+        return replace(k.bare, aux=aux, hidden=hidden)

@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tide.producers.records import DEFAULT_CODEC
+
 VENV_DIR = ".venv-vllm"
 WORKER_EXTENSION = "tide.serving.vllm_adapter.worker.TideWorker"  # vLLM's worker_extension_cls
 NODE_ENV = "TIDE_VLLM_NODE"  # the `VllmConfig` (JSON) of the node vLLM's OpenAI server runs
@@ -33,7 +35,7 @@ class TapConfig:
     bootstrap: str
     fingerprint: str  # the target's, as every record names it
     capture: str = "*=on"  # capture rules, as `tide serve --capture` takes them
-    codec: str = "int8-g64"
+    codec: str = DEFAULT_CODEC
     workloads: str = ""  # the workload names served, as `--workloads` takes them (others: `default`)
     max_workloads: int = 16  # without `workloads`: names past this many are `default`
     chunk_positions: int = 128  # positions per Kafka record at most

@@ -38,7 +38,7 @@ from tide.infra.process import stop_groups
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_target
 from tide.producers.publisher import PublisherConfig
-from tide.producers.records import is_held_out
+from tide.producers.records import DEFAULT_CODEC, is_held_out
 from tide.prompts import load_prompts, split
 from tide.registry.store import CHAMPION, register_folder
 from tide.registry.tags import VersionTags
@@ -305,7 +305,7 @@ def _run(setting: Setting) -> dict[str, Any]:
 
     node_cfg = NodeConfig(
         engine_cfg(0, 6, cfg.proposer),
-        kafka=PublisherConfig(kafka.bootstrap, "int8-g64", 64),
+        kafka=PublisherConfig(kafka.bootstrap, DEFAULT_CODEC, 64),
         registry=SyncConfig(mlflow.url, work / "drafts", "bench", poll_seconds=5.0),
         adaptive=ControllerConfig(max_gamma=6),
         profile_batches=(1, cfg.max_batch),

@@ -5,14 +5,16 @@
   prefill over every request to recompute the states.
 
 Traffic is served in slices of requests; after each slice TIDE's trainer catches up on the new
-records, as a trainer that keeps up with serving does. The topic keeps only the last few megabytes
-per partition (size-based retention), so storage is what a live deployment holds: the topic's log
-segments on disk plus the replay buffer, each measured at its peak, against SpecForge's offline
-cache of every hidden state in raw bf16.
+records, as a trainer that keeps up with serving does. The topic is sized as a trainer sizes it
+(`trainers/topic_sizer.py`): from the traffic rate measured on the records read, to keep what a
+trainer a slice and a half behind still needs. Storage is what a live deployment holds: the topic's
+log segments on disk plus the replay buffer saved as a checkpoint saves it (in the record codec),
+each measured at its peak, against SpecForge's offline cache of every hidden state in raw bf16.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,14 +30,15 @@ from tide.models.loader import load_target
 from tide.names import topic_for
 from tide.producers.consumer import RecordConsumer
 from tide.producers.publisher import PublisherConfig, RecordPublisher
-from tide.producers.records import is_held_out
-from tide.producers.topics import TopicConfig
+from tide.producers.records import DEFAULT_CODEC, is_held_out
+from tide.producers.topics import TopicConfig, TopicSizing, TrafficMeter
 from tide.prompts import load_prompts
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 from tide.serving.sequence import Sequence
-from tide.trainers.checkpoint import save_examples
+from tide.trainers.checkpoint import Ledger, save_examples
 from tide.trainers.examples import example_of
+from tide.trainers.topic_sizer import TopicSizer
 from tide.trainers.ttt import Example, TrainConfig, Trainer, init_draft_head, select_vocab
 
 WORKLOAD = "bench"
@@ -50,8 +53,8 @@ class TrainingBenchConfig:
     slice_requests: int = 8  # served between two catch-ups of the trainer
     batch_size: int = 4
     replay_positions: int = 2048
-    retention_bytes: int = 1 << 20  # per partition
-    codec: str = "int8-g64"
+    keep_slices: float = 1.5  # the topic is sized to keep this many slices' traffic: the trainer's lag here
+    codec: str = DEFAULT_CODEC  # the records', and the replay buffer's
     draft_vocab: int = 4096
     held_out_percent: int = 10
     model: str | None = None
@@ -74,12 +77,12 @@ def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
     embed = torch.nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().float(), freeze=True)
     prompts = [p.token_ids(tok)[-384:] for p in load_prompts(cfg.prompts)]
     traffic = [prompts[i % len(prompts)] for i in range(cfg.requests)]
-    topics = TopicConfig(partitions=3, retention_bytes=cfg.retention_bytes, segment_bytes=1 << 20)
+    topics = TopicConfig()  # as a node makes it: sized once the trainer has measured the traffic
     served: list[Sequence] = []
     report: dict[str, Any] = {
         "requests": cfg.requests,
         "codec": cfg.codec,
-        "retention_bytes": cfg.retention_bytes,
+        "keep_slices": cfg.keep_slices,
     }
 
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -95,6 +98,8 @@ def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
                 broker.bootstrap, [WORKLOAD], "bench-trainer", target.fingerprint, topics
             )
             tide: Trainer | None = None
+            sizer: TopicSizer | None = None
+            meter = TrafficMeter()  # the topic's rate, as a trainer measures it
             init_state: dict[str, torch.Tensor] = {}
             batches: list[list[str]] = []  # the keys of every training batch, in TIDE's order
             replay: list[Example] = []
@@ -103,6 +108,7 @@ def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
             consumed = lost = 0
             log_dir = tmp / "kafka" / "logs"
             for start in tqdm(range(0, cfg.requests, cfg.slice_requests), desc="serve + train", unit="slice"):
+                slice_start = time.monotonic()
                 # serve a slice with capture on
                 seqs = [
                     engine.add(
@@ -134,6 +140,7 @@ def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
                     consumed += len(got)
                     t = time.perf_counter()
                     for c in got:
+                        meter.add(c.record.created_at, c.size)
                         if is_held_out(c.record.request_id, cfg.held_out_percent):
                             continue  # both drafts are evaluated on the baseline's exact states
                         ex = example_of(c.record, None)
@@ -162,13 +169,19 @@ def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
                 while sum(len(e.aux) for e in replay) > cfg.replay_positions:
                     replay.pop(0)
                 if replay:
-                    save_examples(replay, tmp / "replay.safetensors")
+                    save_examples(replay, tmp / "replay.safetensors", cfg.codec)
                     peak_replay = max(peak_replay, (tmp / "replay.safetensors").stat().st_size)
+                if sizer is None:  # the trainer's lag: a slice served, read and trained on
+                    keep = cfg.keep_slices * (time.monotonic() - slice_start)
+                    sizer = TopicSizer(broker.bootstrap, WORKLOAD, TopicSizing(keep), 0.0, Ledger())
+                sizer(meter)
             peak_topic = max(peak_topic, _topic_bytes(log_dir))
             consumer.close()
             publisher.close()
             published_bytes = publisher.stats.bytes_published
             assert tide is not None
+            report["topic"] = dataclasses.asdict(sizer.applied) if sizer and sizer.applied else None
+            report["traffic_bytes_per_s"] = meter.rate()
 
     # the baseline: the same requests' tokens, the target's prefill recomputes their states
     positions = sum(len(s.prompt) + len(s.output) - 1 for s in served)
