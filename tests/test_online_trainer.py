@@ -28,6 +28,7 @@ from tide.models.eagle3 import Eagle3Draft
 from tide.models.loader import Target, load_head
 from tide.names import model_name, topic_for, trainer_group
 from tide.producers.records import DEFAULT_CODEC
+from tide.producers.topics import topic_partitions
 from tide.registry.trainer_sink import MlflowSink, champion_folder
 from tide.trainers.checkpoint import Ledger, current_checkpoint, load_checkpoint
 from tide.trainers.online import OnlineConfig, OnlineTrainer
@@ -92,9 +93,8 @@ def test_trainer_publishes_candidates_with_their_evidence(
     # the topic keeps what a trainer half an hour behind needs, at the rate the records were made
     assert trainer.sizer is not None and trainer.sizer.applied is not None and ledger.outages == 0
     resource = ConfigResource(ConfigResource.Type.TOPIC, topic_for(workload))
-    settings = (
-        AdminClient({"bootstrap.servers": kafka.bootstrap}).describe_configs([resource])[resource].result(30)
-    )
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap})  # held: a client collected mid-call aborts it
+    settings = admin.describe_configs([resource])[resource].result(30)
     assert settings["retention.bytes"].value == str(trainer.sizer.applied.retention_bytes) != "-1"
     # the checkpoint keeps the replay buffer's states as records carry them
     folder = current_checkpoint(tmp_path / "state" / "checkpoints")
@@ -186,7 +186,10 @@ def test_sigkill_loses_nothing_and_trains_nothing_twice(
     # rewind the trainer's committed offsets: every record comes again, is recognised, and is not trained
     group = trainer_group(workload)
     rewind = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": group})
-    rewind.commit(offsets=[TopicPartition(topic_for(workload), p, 0) for p in range(3)], asynchronous=False)
+    parts = topic_partitions(AdminClient({"bootstrap.servers": kafka.bootstrap}), workload)
+    rewind.commit(
+        offsets=[TopicPartition(topic_for(workload), p, 0) for p in range(parts)], asynchronous=False
+    )
     rewind.close()
     assert _train_process(kafka, workload, state, trained_draft_dir, log).wait(300) == 0, log.read_text()[
         -3000:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from tide.infra.kafka.broker import KafkaBroker
@@ -19,6 +20,7 @@ from tide.producers.topics import (
     sized,
     topic_partitions,
 )
+from tide.trainers import topic_sizer
 from tide.trainers.checkpoint import Ledger
 from tide.trainers.topic_sizer import TopicSizer
 
@@ -86,6 +88,20 @@ def test_a_trainer_sizes_its_topic_on_the_broker(kafka: KafkaBroker) -> None:
 def test_a_broker_that_is_away_is_an_outage_not_a_crash() -> None:
     ledger = Ledger()
     sizer = TopicSizer("127.0.0.1:1", "away", TopicSizing(), 0.0, ledger)
+    meter = TrafficMeter()
+    for i in range(20):
+        meter.add(float(i), 1000)
+    sizer(meter)
+    assert sizer.applied is None and ledger.outages == 1
+
+
+def test_no_failure_to_resize_ends_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: object, **__: object) -> None:
+        raise ValueError("a bug, or an answer the client did not expect")
+
+    monkeypatch.setattr(topic_sizer, "resize_topic", broken)
+    ledger = Ledger()
+    sizer = TopicSizer("127.0.0.1:1", "w", TopicSizing(), 0.0, ledger)
     meter = TrafficMeter()
     for i in range(20):
         meter.add(float(i), 1000)

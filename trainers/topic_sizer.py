@@ -48,6 +48,10 @@ class TopicSizer:
                 "could not resize %s's topic (tried again in %.0f s): %s", self.workload, self.every_s, e
             )
             return
+        except Exception:  # a topic's size is never worth the trainer
+            self.ledger.outages += 1
+            log.exception("could not resize %s's topic", self.workload)
+            return
         self.applied = want
         log.info(
             "%s's topic sized for %.0f kB/s: %d partition(s), %.1f MB retained each, %.1f MB segments",

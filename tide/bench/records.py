@@ -235,8 +235,24 @@ def plot_records_report(report: dict[str, Any], path: Path) -> None:
         ax.bar(labels, ys, color=["#999999"] + ["#3b7dd8"] * len(codecs))
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=20)
-    overheads = ", ".join(f"{c} {report['codecs'][c]['capture_overhead']:.1%}" for c in codecs)
-    fig.suptitle(f"record codecs on {report['positions']} positions; capture overhead: {overheads}")
+    rows = [report["codecs"][c] for c in codecs]
+    if not any(r["draft_tau_ratio"] for r in rows):  # --train-steps 0
+        axes[2].clear()
+        axes[2].set_title("draft τ ratio: no drafts trained")
+        axes[2].axis("off")
+    elif all(r["draft_tau_ratio_range"] for r in rows):  # the τ ratios' spread over seeds, zoomed in
+        mid = [r["draft_tau_ratio"] for r in rows]
+        low = [m - r["draft_tau_ratio_range"][0] for m, r in zip(mid, rows, strict=True)]
+        high = [r["draft_tau_ratio_range"][1] - m for m, r in zip(mid, rows, strict=True)]
+        axes[2].errorbar(codecs, mid, yerr=[low, high], fmt="none", ecolor="black", capsize=4)
+        axes[2].set_ylim(min(0.9, *(r["draft_tau_ratio_range"][0] for r in rows)) - 0.02, 1.08)
+    title = f"record codecs on {report['positions']} positions"
+    if all(
+        "capture_overhead_range" in r for r in rows
+    ):  # reports from before it summed runs of separate engines
+        overheads = ", ".join(f"{c} {r['capture_overhead']:.1%}" for c, r in zip(codecs, rows, strict=True))
+        title += f"; capture overhead (median of rounds): {overheads}"
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
