@@ -85,13 +85,19 @@ def test_a_trainer_sizes_its_topic_on_the_broker(kafka: KafkaBroker) -> None:
     assert topic_partitions(admin, workload) == 3
 
 
-def test_a_broker_that_is_away_is_an_outage_not_a_crash() -> None:
+def _resize_once(bootstrap: str) -> tuple[TopicSizer, Ledger]:
+    """A sizer due at once, given 20 s of traffic to size for."""
     ledger = Ledger()
-    sizer = TopicSizer("127.0.0.1:1", "away", TopicSizing(), 0.0, ledger)
+    sizer = TopicSizer(bootstrap, "w", TopicSizing(), 0.0, ledger)
     meter = TrafficMeter()
     for i in range(20):
         meter.add(float(i), 1000)
     sizer(meter)
+    return sizer, ledger
+
+
+def test_a_broker_that_is_away_is_an_outage_not_a_crash() -> None:
+    sizer, ledger = _resize_once("127.0.0.1:1")
     assert sizer.applied is None and ledger.outages == 1
 
 
@@ -100,10 +106,5 @@ def test_no_failure_to_resize_ends_the_trainer(monkeypatch: pytest.MonkeyPatch) 
         raise ValueError("a bug, or an answer the client did not expect")
 
     monkeypatch.setattr(topic_sizer, "resize_topic", broken)
-    ledger = Ledger()
-    sizer = TopicSizer("127.0.0.1:1", "w", TopicSizing(), 0.0, ledger)
-    meter = TrafficMeter()
-    for i in range(20):
-        meter.add(float(i), 1000)
-    sizer(meter)
+    sizer, ledger = _resize_once("127.0.0.1:1")
     assert sizer.applied is None and ledger.outages == 1

@@ -965,6 +965,9 @@ def bench_training(
     """TIDE's trainer (states from Kafka) against re-running the target's prefill (SpecForge online)."""
     from tide.bench.training import TrainingBenchConfig, run_training_bench
 
+    if keep_slices <= 0:
+        raise typer.BadParameter("a positive number of slices", param_hint="--keep-slices")
+
     cfg = TrainingBenchConfig(
         prompts, requests, max_new_tokens, slice_requests, replay_positions=replay_positions,
         keep_slices=keep_slices, model=model,
