@@ -99,7 +99,9 @@ class SuffixProposer:
         self._inbox: queue.Queue[tuple[str, str, list[int]]] = queue.Queue(cfg.inbox)
         self._own: OrderedDict[str, None] = OrderedDict()  # recent request ids served here
         self.fed = 0  # requests from the feed that joined an index
-        self.fed_dropped = 0  # from the feed, dropped: the inbox full, or too many workloads
+        # from the feed, dropped; each counter has one writer (`+=` from two threads can lose counts)
+        self.dropped_inbox_full = 0  # the feed's thread
+        self.dropped_workloads_full = 0  # the engine's thread
 
     def remember(self, workload: str, tokens: list[int], request_id: str = "") -> None:
         """A request this node finished (engine thread)."""
@@ -114,7 +116,12 @@ class SuffixProposer:
         try:
             self._inbox.put_nowait((workload, request_id, tokens))
         except queue.Full:
-            self.fed_dropped += 1
+            self.dropped_inbox_full += 1
+
+    @property
+    def fed_dropped(self) -> int:
+        """Requests from the feed not indexed: the inbox full, or too many workloads."""
+        return self.dropped_inbox_full + self.dropped_workloads_full
 
     def _add(self, workload: str, tokens: list[int]) -> None:
         if workload not in self.indexes:
@@ -131,7 +138,7 @@ class SuffixProposer:
             if rid in self._own:
                 continue
             if workload not in self.indexes and len(self.indexes) >= self.cfg.max_workloads:
-                self.fed_dropped += 1
+                self.dropped_workloads_full += 1
                 continue
             self._add(workload, tokens)
             self.fed += 1

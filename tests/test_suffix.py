@@ -158,3 +158,16 @@ def test_an_index_that_raises_costs_its_step_the_proposals_only(monkeypatch: pyt
     monkeypatch.setattr(engine.suffix, "propose", broken)
     out = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [s.output for s in out] == ref and all(s.finish_reason == "length" for s in out)
+
+
+def test_a_flooding_feed_is_counted_and_dropped_never_blocks() -> None:
+    """A feed faster than the engine, or naming more workloads than a node keeps indexes for, is
+    dropped and counted; what this node served itself is never indexed twice."""
+    proposer = SuffixProposer(SuffixConfig(inbox=4, max_workloads=2))
+    proposer.remember("a", [1, 2, 3], "own")
+    for i in range(6):  # two past the inbox: dropped at once, on the feed's thread
+        proposer.feed(f"w{i % 3}", "own" if i == 0 else f"r{i}", [1, 2, 3, 4])
+    assert proposer.dropped_inbox_full == 2
+    proposer.take_fed()  # "own" skipped; w1 opens the second index, w2 and w0 would be a third
+    assert set(proposer.indexes) == {"a", "w1"}
+    assert proposer.fed == 1 and proposer.dropped_workloads_full == 2 and proposer.fed_dropped == 4
