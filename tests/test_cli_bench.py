@@ -62,6 +62,12 @@ def test_an_unknown_proposer_is_refused() -> None:
         assert res.exit_code == 2 and "draft, suffix, hybrid" in res.output, res.output
 
 
+def test_a_topic_that_keeps_nothing_is_refused() -> None:
+    for keep in ("0", "-1.5"):
+        res = CliRunner().invoke(app, ["bench", "training", "--prompts", "x.jsonl", "--keep-slices", keep])
+        assert res.exit_code == 2 and "--keep-slices" in res.output, res.output
+
+
 @pytest.mark.slow  # starts a real server
 def test_bench_records_report(tmp_path: Path) -> None:
     out = tmp_path / "records.json"

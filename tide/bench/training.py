@@ -181,8 +181,8 @@ def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
             report["topic"] = dataclasses.asdict(sizer.applied) if sizer and sizer.applied else None
             report["traffic_bytes_per_s"] = meter.rate()
             # the baseline trains in TIDE's surroundings, the broker and TIDE's clients up: they share
-            # these cores (a deployment's broker has its own), and trained alone afterwards the
-            # baseline's steps were up to 14% faster than the same steps in TIDE
+            # these cores (a deployment's broker has its own); trained alone afterwards, the same 250
+            # steps took the baseline 160.5 s against TIDE's 183.9 s
             keyed, held, prefill_s, base_label_s = _recompute_states(target, served, cfg.held_out_percent)
             draft = Eagle3Draft(DraftConfig.for_target(mcfg, target.fingerprint, cfg.draft_vocab), embed)
             draft.load_state_dict(init_state)
