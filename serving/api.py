@@ -58,10 +58,16 @@ class _BadRequest(Exception):
 
 
 def build_app(
-    model: str | None, draft: str | None, dtype: torch.dtype, node: NodeConfig, server: ServerConfig
+    model: str | None,
+    draft: str | None,
+    dtype: torch.dtype,
+    node: NodeConfig,
+    server: ServerConfig,
+    weights: str = "auto",
+    compile: bool = True,
 ) -> FastAPI:
     """The server as `tide serve` runs it."""
-    target = load_target(model, dtype)
+    target = load_target(model, dtype, weights=weights, compile=compile)
     start = load_start_draft(target, draft, dtype) if node.engine.gamma > 0 or node.adaptive else None
     return make_app(ServingNode.build(target, start, node), server)
 

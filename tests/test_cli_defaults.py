@@ -14,6 +14,7 @@ from tide.bench.records import RecordsBenchConfig
 from tide.bench.shift import ShiftBenchConfig
 from tide.bench.spec import SpecBenchConfig
 from tide.bench.training import TrainingBenchConfig
+from tide.bench.weights import WeightsBenchConfig
 from tide.cli import app
 from tide.producers.publisher import PublisherConfig
 from tide.producers.records import HeldOutWindow
@@ -38,6 +39,7 @@ CONFIGS: dict[str, tuple[list[type], dict[str, str]]] = {
     "bench records": ([RecordsBenchConfig], {}),
     "bench training": ([TrainingBenchConfig], {}),
     "bench faults": ([FaultsBenchConfig], {}),
+    "bench weights": ([WeightsBenchConfig], {}),
 }
 
 

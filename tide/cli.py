@@ -19,6 +19,7 @@ from tide.config import (
     parse_dtype,
 )
 from tide.models.loader import Target
+from tide.models.weights import WEIGHT_MODES, WEIGHTS_HELP
 from tide.producers.records import DEFAULT_CODEC
 from tide.prompts import Prompt
 
@@ -45,13 +46,32 @@ def _clear_errors() -> Iterator[None]:
     """Bad input (a prompt file, a model, a draft) ends the command with its reason, not a traceback."""
     from tide.models.eagle3 import DraftLoadError, DraftMismatchError
     from tide.models.loader import ModelLoadError
+    from tide.models.weights import GGUFBlockError
     from tide.prompts import PromptFileError
 
     try:
         yield
-    except (PromptFileError, ModelLoadError, DraftLoadError, DraftMismatchError, OSError) as e:
+    except (
+        PromptFileError,
+        ModelLoadError,
+        GGUFBlockError,
+        DraftLoadError,
+        DraftMismatchError,
+        OSError,
+    ) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+COMPILE_HELP = (
+    "compile the target's decoder layers with torch.compile (quantized weights; ~30 s once, cached)"
+)
+
+
+def _weights(name: str) -> str:
+    if name not in WEIGHT_MODES:
+        raise typer.BadParameter(f"one of {', '.join(WEIGHT_MODES)}", param_hint="--weights")
+    return name
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -299,6 +319,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help=COMPILE_HELP),
     gamma: str = typer.Option(
         "4", "--gamma", help="draft tokens per step (0: no speculation), or 'auto': the controller chooses"
     ),
@@ -447,6 +469,8 @@ def serve(
             ServerConfig(
                 admin_token=admin_token, max_queue=max_queue, max_body_bytes=max_body_bytes, capture=policy
             ),
+            _weights(weights),
+            compile,
         )
     uvicorn.run(api, host=host, port=port, log_level="info")
 
@@ -787,6 +811,8 @@ def bench_spec(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     batch_size: int = typer.Option(1, "--batch-size"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help=COMPILE_HELP),
     gamma: int = typer.Option(4, "--gamma"),
     part: str = typer.Option("test", "--part", help="train, test or all lines of the prompt file"),
     limit: int = typer.Option(16, "--limit", help="prompts to run (0: all)"),
@@ -820,6 +846,8 @@ def bench_spec(
         llama_cpp,
         engine,
         proposer,
+        _weights(weights),
+        compile,
     )
     with _clear_errors():
         report = run_spec_bench(cfg)
@@ -898,6 +926,52 @@ def bench_shift(
     typer.echo(json.dumps(report["phases"], indent=2))
     if plot is not None:
         plot_shift_report(report, plot)
+        typer.echo(f"plot: {plot}")
+    typer.echo(f"report: {out}")
+
+
+@bench_app.command("weights")
+def bench_weights(
+    modes: str = typer.Option("bf16,int8,int4,gguf", "--modes", help="weight modes to compare"),
+    quality_prompts: int = typer.Option(8, "--quality-prompts", help="held-out prompts per workload"),
+    speed_prompts: int = typer.Option(4, "--speed-prompts", help="held-out code prompts per round"),
+    rounds: int = typer.Option(3, "--rounds"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    ttft_tokens: int = typer.Option(250, "--ttft-tokens", help="prompt length for time to first token"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help=COMPILE_HELP),
+    llama_cpp: bool = typer.Option(True, "--llama-cpp/--no-llama-cpp", help="also llama.cpp when installed"),
+    model: str | None = typer.Option(None, "--model"),
+    out: Path = typer.Option(Path("out/bench_weights.json"), "--out"),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG: speed and quality per mode"),
+) -> None:
+    """Each weight mode's top-1 agreement and KL against fp32, and its decode speed and time to first
+    token beside llama.cpp (no speculation, batch 1)."""
+    from tide.bench.weights import WeightsBenchConfig, plot_weights_report, run_weights_bench
+
+    chosen = tuple(_weights(m.strip()) for m in modes.split(",") if m.strip())
+    if not chosen or "auto" in chosen:
+        raise typer.BadParameter("name the modes, e.g. bf16,int4,gguf", param_hint="--modes")
+    for name, value in (("--quality-prompts", quality_prompts), ("--speed-prompts", speed_prompts),
+                        ("--rounds", rounds), ("--max-new-tokens", max_new_tokens), ("--ttft-tokens", ttft_tokens)):  # fmt: skip
+        if value < 1:
+            raise typer.BadParameter("must be at least 1", param_hint=name)
+    cfg = WeightsBenchConfig(
+        modes=chosen, quality_prompts=quality_prompts, speed_prompts=speed_prompts, rounds=rounds,
+        max_new_tokens=max_new_tokens, ttft_tokens=ttft_tokens, dtype=_dtype(dtype), compile=compile,
+        llama_cpp=llama_cpp, model=model,
+    )  # fmt: skip
+    with _clear_errors():
+        report = run_weights_bench(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    summary = {m: {"tokens_per_s": round(v["tokens_per_s"], 1), "ttft_ms": round(v["ttft_s"] * 1e3, 1)}
+               for m, v in report["speed"].items()}  # fmt: skip
+    for m, q in report["quality"].items():
+        summary[m].update(top1=round(q["all"]["top1_agreement"], 4), kl=round(q["all"]["mean_kl"], 5))
+    typer.echo(json.dumps(summary, indent=2))
+    if plot is not None:
+        plot_weights_report(report, plot)
         typer.echo(f"plot: {plot}")
     typer.echo(f"report: {out}")
 

@@ -33,6 +33,7 @@ import zstandard
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from tide.bench import cpu_description
 from tide.prompts import Prompt, load_prompts
 from tide.registry.tags import VersionTags, source_tags
 
@@ -628,7 +629,7 @@ def _report(
             k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "workloads"
         }
         | {"workloads": {w: str(p) for w, p in cfg.workloads.items()}},
-        "cpu": _cpu(),
+        "cpu": cpu_description(),
         "requests": {
             "well_formed": dict(well),
             "hostile": dict(hostile),
@@ -649,17 +650,6 @@ def _report(
         "rss_mb": rss,
         "timeline": [asdict(c) for c in calls],
     }
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                flags = Path("/proc/cpuinfo").read_text()
-                return line.split(":", 1)[1].strip() + (" (AVX512-BF16)" if "avx512_bf16" in flags else "")
-    except OSError:
-        pass
-    return "unknown"
 
 
 def plot_faults_report(report: dict[str, Any], path: Path) -> None:

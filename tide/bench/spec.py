@@ -57,6 +57,8 @@ class SpecBenchConfig:
     engine: str = "tide"
     # suffix or hybrid: also an engine drafting from the prompts' recent text (beside the draft: hybrid)
     proposer: str = "draft"
+    weights: str = "auto"  # the target's linears (`tide.models.weights`)
+    compile: bool = True
 
 
 @dataclass
@@ -81,7 +83,8 @@ def _top2_gap(target: Target, prefix: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def _llama_cpp(path: Path, n_ctx: int) -> Any | None:
+def open_llama_cpp(path: Path, n_ctx: int) -> Any | None:
+    """llama.cpp on the same GGUF and threads, where llama-cpp-python is installed (`make` installs it)."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -137,7 +140,7 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict[str, Any]:
 
 
 def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
-    target = load_target(cfg.model, cfg.dtype)
+    target = load_target(cfg.model, cfg.dtype, weights=cfg.weights, compile=cfg.compile)
     tok = target.tok
     chosen = split(load_prompts(cfg.prompts), cfg.part)
     prompts = [p.token_ids(tok) for p in (chosen[: cfg.limit] if cfg.limit else chosen)]
@@ -171,7 +174,7 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
             draft if cfg.proposer == "hybrid" else None,
             dataclasses.replace(ecfg, proposer=cfg.proposer),
         )
-    llama = _llama_cpp(target.path, max_len) if cfg.llama_cpp and target.path.suffix == ".gguf" else None
+    llama = open_llama_cpp(target.path, max_len) if cfg.llama_cpp and target.path.suffix == ".gguf" else None
     vllm = _vllm_engines(cfg, target, max_len, stack) if cfg.engine == "vllm" else {}
     vllm_runs: dict[str, list[VllmResult]] = {name: [] for name in vllm}
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, ignore_eos=False)
@@ -210,6 +213,7 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
             if name == "llama_cpp" and llama is not None:
                 n = 0
                 for p in group:
+                    llama.reset()  # no reuse of the previous prompt's chat template: TIDE prefills it all
                     res = llama.create_completion(prompt=p, max_tokens=cfg.max_new_tokens, temperature=0.0)
                     n += int(res["usage"]["completion_tokens"])
                 per_group[name] = ModeResult(n, time.perf_counter() - start)
@@ -246,6 +250,8 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     adaptive = engines["adaptive"]
     report: dict[str, Any] = {
         "dtype": str(cfg.dtype).replace("torch.", ""),
+        "weights": target.weights,
+        "compiled": target.compiled,
         "batch_size": cfg.batch_size,
         "gamma": cfg.gamma,
         "prompts": len(prompts),

@@ -224,7 +224,7 @@ class Eagle3Draft(nn.Module):
         q, k, v = layer.self_attn.qkv(x, rope)
         keys = write_kv(cache.k, batch, k)
         values = write_kv(cache.v, batch, v)
-        return layer.finish(hidden, attend(q.transpose(1, 2), keys, values, batch.mask))
+        return layer.finish(hidden, attend(q.transpose(1, 2), keys, values, batch))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out)).float()

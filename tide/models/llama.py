@@ -8,6 +8,7 @@ stream before the EAGLE-3 aux layers, which is what the hidden-state tap hands o
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,16 @@ class Batch:
     mask: torch.Tensor  # (B, 1, T, L) True where attention is allowed
     kv_len: int  # L: keys [0, L) are read
     slots: torch.Tensor | None = None  # (B,) cache rows when they are not contiguous
+    # the mask repeated per query group (`attend`), made once per forward pass instead of per layer
+    _grouped: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def grouped_mask(self, groups: int) -> torch.Tensor:
+        """(B, 1, groups * T, L): the mask for queries laid out (B, KVH, groups * T, hd)."""
+        if groups == 1:
+            return self.mask
+        if groups not in self._grouped:
+            self._grouped[groups] = self.mask.repeat(1, 1, groups, 1)
+        return self._grouped[groups]
 
     @classmethod
     def make(
@@ -161,15 +174,13 @@ class Batch:
         return cls(slot0, positions, write, mask, kv_len, slots)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Grouped-query attention without repeating K/V: q (B, H, T, hd), k/v (B, KVH, L, hd)."""
     b, h, t, hd = q.shape
     kvh = k.shape[1]
     groups = h // kvh
     q = q.reshape(b, kvh, groups * t, hd)
-    if groups > 1:
-        mask = mask.repeat(1, 1, groups, 1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.grouped_mask(groups))
     return out.view(b, h, t, hd).transpose(1, 2).reshape(b, t, h * hd)
 
 
@@ -211,7 +222,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         keys = write_kv(k_cache, batch, k)
         values = write_kv(v_cache, batch, v)
-        return self.o_proj(attend(q.transpose(1, 2), keys, values, batch.mask))
+        return self.o_proj(attend(q.transpose(1, 2), keys, values, batch))
 
 
 class MLP(nn.Module):
@@ -246,6 +257,31 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class LayerRun(nn.Module):
+    """Consecutive decoder layers called as one (the unit `LlamaModel.compile_layers` compiles). Its
+    layers stay the model's own modules: it is kept outside the module tree and the state dict."""
+
+    def __init__(self, layers: nn.ModuleList, first: int, count: int):
+        super().__init__()
+        self.first = first
+        self.layers = [layers[i] for i in range(first, first + count)]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: Batch,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The run's output and each layer's input (the residual stream the aux states are taken from)."""
+        inputs = []
+        for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
+            inputs.append(x)
+            x = layer(x, rope, batch, k, v)
+        return x, inputs
+
+
 @dataclass
 class ForwardOutput:
     hidden: torch.Tensor  # (B, T, d) final normed hidden state
@@ -268,6 +304,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
         self.aux_ids = set(cfg.aux_layer_ids)
+        self._runs: list[LayerRun] = []  # a plain list: not submodules
 
     @property
     def dtype(self) -> torch.dtype:
@@ -276,13 +313,46 @@ class LlamaModel(nn.Module):
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache, capture_aux: bool) -> ForwardOutput:
         x = self.embed_tokens(tokens)
         rope = self.rope(batch.positions, x.dtype)
+        batch.grouped_mask(self.cfg.num_heads // self.cfg.num_kv_heads)  # made here, read by every layer
         taken: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if capture_aux and i in self.aux_ids:
-                taken[i] = x
-            x = layer(x, rope, batch, cache.k[i], cache.v[i])
+        for run in self.runs:
+            ids = range(run.first, run.first + len(run.layers))
+            x, inputs = run(x, rope, batch, [cache.k[i] for i in ids], [cache.v[i] for i in ids])
+            if capture_aux:
+                taken.update((i, inp) for i, inp in zip(ids, inputs, strict=True) if i in self.aux_ids)
         aux = torch.cat([taken[i] for i in self.cfg.aux_layer_ids], -1) if capture_aux else None
         return ForwardOutput(self.norm(x), aux)
+
+    @property
+    def runs(self) -> list[LayerRun]:
+        """The decoder layers as runs of consecutive layers: one layer each, or as `compile_layers` cut them."""
+        if not self._runs:
+            self._runs = [LayerRun(self.layers, i, 1) for i in range(len(self.layers))]
+        return self._runs
+
+    def compile_layers(self) -> bool:
+        """The decoder layers through torch.compile (inductor), a run of up to six layers per call:
+        a layer's few dozen small operations (norms, RoPE, K/V writes, SiLU) become a handful of
+        fused kernels around the matmuls and attention, where eager mode pays a dispatch for each,
+        and a run pays its guards once for its layers. Runs of one length share their graphs (the
+        weights are inputs); shapes are dynamic (batch, tokens, context). Tried at once on prefill,
+        decode and verify shapes; where it cannot compile (no C++ compiler) the layers stay eager:
+        False. Run length: on the default model, per-layer calls took 13.5 ms a decode step, runs of
+        5 about 12, of 15 about 11.5, with a cold compile of 26, 18 and 39 s."""
+        n = len(self.layers)
+        size = max(d for d in range(1, 7) if n % d == 0)
+        self._runs = [LayerRun(self.layers, i, size) for i in range(0, n, size)]
+        for run in self._runs:
+            run.compile(dynamic=True)
+        try:
+            with torch.inference_mode():
+                for b, t in ((1, 4), (1, 1), (2, 3), (2, 1)):
+                    self.forward_once(torch.zeros(b, t, dtype=torch.long))
+        except Exception as e:  # torch raises its own types from the compiler's toolchain
+            log.warning("torch.compile failed (%s): the target runs eagerly", e)
+            self._runs = []
+            return False
+        return True
 
     @torch.inference_mode()
     def forward_once(self, tokens: torch.Tensor, capture_aux: bool = False) -> ForwardOutput:

@@ -23,6 +23,7 @@ from tide.config import cache_dir, file_cache_key, native_dtype
 from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.packing import pack_linears
 from tide.models.tokenizer import Tokenizer
+from tide.models.weights import quantize_linears
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class Target:
     tokenizer: Tokenizer | None  # None only for token-id-level use (tests of tiny random models)
     fingerprint: str
     path: Path
+    weights: str = "bf16"  # how its linears hold their weights (`tide.models.weights`)
+    compiled: bool = False  # its decoder layers run through torch.compile
 
     @property
     def config(self) -> LlamaConfig:
@@ -309,15 +312,24 @@ def read_target(
 
 
 def load_target(
-    path: str | os.PathLike[str] | None = None, dtype: torch.dtype | None = None, pack: bool = True
+    path: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
+    pack: bool = True,
+    weights: str = "bf16",
+    compile: bool = False,
 ) -> Target:
-    """Load, fingerprint and (for inference) prepack a target, in `dtype` or the machine's native one;
-    `pack=False` keeps plain nn.Linear layers."""
-    p, cfg, weights, tokenizer, fp = read_target(path)
-    model = build_model(cfg, weights).to(dtype or native_dtype())
+    """Load, fingerprint and (for inference) prepack a target: activations in `dtype` or the machine's
+    native one, linears as `weights` says (`tide.models.weights`), layers compiled if asked
+    (`LlamaModel.compile_layers`); `pack=False` keeps plain nn.Linear layers. The fingerprint is the
+    file's, whatever the mode: a draft serves every mode of its target."""
+    p, cfg, tensors, tokenizer, fp = read_target(path)
+    model = build_model(cfg, tensors).to(dtype or native_dtype())
+    mode = quantize_linears(model, weights, p)
     if pack:
         pack_linears(model)
-    return Target(model, tokenizer, fp, p)
+    # oneDNN's prepacked weights (bf16 mode) are not graph constants to inductor: those layers stay eager
+    compiled = compile and mode != "bf16" and model.compile_layers()
+    return Target(model, tokenizer, fp, p, mode, compiled)
 
 
 @dataclass

@@ -1,0 +1,115 @@
+"""Weight modes (`tide.models.weights`): the GGUF's own 4-bit blocks, and speculation lossless in every mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tide.cli import app
+from tide.models.loader import default_model_path, read_target
+from tide.models.weights import (
+    GGUFBlockError,
+    Int4Blocks,
+    Int4Linear,
+    Int8Linear,
+    quantize_linears,
+    read_gguf_blocks,
+)
+from tide.serving.engine import Engine, EngineConfig
+from tide.serving.sampling import SamplingParams
+
+from .conftest import tiny_target, trained_tiny_draft
+
+
+def test_gguf_blocks_are_the_files_weights() -> None:
+    """Read as 4-bit blocks, every decoder linear of the shipped Q4_1 file is the weight the loader
+    dequantizes (q/k rows un-permuted, q/k/v and gate/up fused as the model fuses them)."""
+    _, cfg, weights, _, _ = read_target(None)
+    blocks = read_gguf_blocks(default_model_path(), cfg.num_heads, cfg.num_kv_heads)
+    assert len(blocks) == 4 * cfg.num_layers
+    for i in (0, cfg.num_layers - 1):
+        p = f"model.layers.{i}."
+        dense = {
+            "self_attn.qkv_proj": np.concatenate([weights[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+            "self_attn.o_proj": weights[p + "self_attn.o_proj.weight"],
+            "mlp.gate_up_proj": np.concatenate(
+                [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
+            ),
+            "mlp.down_proj": weights[p + "mlp.down_proj.weight"],
+        }
+        for name, w in dense.items():
+            b = blocks[f"layers.{i}.{name}"]
+            assert int(b.q.max()) <= 15
+            got = b.dequantize()
+            # the same values up to fp32 rounding of d * q + m against (q - 8) * d + (m + 8d)
+            assert torch.allclose(got, torch.from_numpy(w), rtol=0, atol=1e-5), name
+
+
+def test_int4_blocks_round_trip_and_the_kernel_computes_them() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(96, 64)
+    b = Int4Blocks.quantize(w)
+    step = (b.scale * 15).amax()
+    assert (b.dequantize() - w).abs().max() <= step / 15  # a step at most (rounding: half of one)
+    x = torch.randn(3, 5, 64)
+    int8 = Int8Linear(w, None, torch.float32)
+    assert (int8.qweight.float() * int8.scale[:, None] - w).abs().max() <= int8.scale.max() / 2 + 1e-6
+    for layer, dense in (
+        (Int4Linear(b, None, torch.float32), b.dequantize()),
+        (int8, int8.qweight.float() * int8.scale[:, None]),
+    ):
+        y = layer(x)
+        assert y.shape == (3, 5, 96)
+        assert torch.allclose(y, x @ dense.T, atol=1e-4), type(layer).__name__
+
+
+def test_a_file_without_4_bit_blocks_is_refused_for_gguf_mode(tmp_path) -> None:
+    import gguf
+
+    path = tmp_path / "f16.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFBlockError, match="F16"):
+        read_gguf_blocks(path, 4, 4)
+    target = tiny_target(seed=0)
+    with pytest.raises(GGUFBlockError, match="needs a gguf"):
+        quantize_linears(target.model, "gguf", None)
+    assert quantize_linears(target.model, "auto", path) == "bf16"  # auto: dense where the file has no blocks
+    with pytest.raises(ValueError, match="weights must be one of"):
+        quantize_linears(target.model, "int3", None)
+
+
+def test_an_unknown_weight_mode_is_refused_before_anything_loads() -> None:
+    res = CliRunner().invoke(app, ["bench", "weights", "--modes", "int3"])
+    assert res.exit_code == 2 and "--weights" in res.output
+
+
+@pytest.mark.parametrize(("mode", "compiled"), [("int8", False), ("int4", False), ("int4", True)])
+def test_greedy_speculation_is_lossless_in_each_weight_mode(mode: str, compiled: bool) -> None:
+    """The draft learns the quantized target, then: greedy with speculation == greedy without, in
+    the same mode (and with compiled layers), at batch 1 and 4."""
+    target = tiny_target(seed=5, scale=2.0)
+    assert quantize_linears(target.model, mode) == mode
+    if compiled:
+        assert target.model.compile_layers()
+    draft = trained_tiny_draft(target, seed=6, vocab=128, steps=100)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(12)]  # fmt: skip
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = [
+        s.output
+        for s in Engine(target, None, EngineConfig(max_batch=1, max_model_len=64, gamma=0)).generate(
+            prompts, params
+        )
+    ]
+    for batch, gamma in ((1, 3), (4, 2), (4, 5)):
+        engine = Engine(target, draft, EngineConfig(max_batch=batch, max_model_len=64, gamma=gamma))
+        assert [s.output for s in engine.generate(prompts, params)] == ref, (batch, gamma)
+        assert engine.stats.accepted.sum() > 0
