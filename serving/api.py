@@ -66,8 +66,11 @@ def build_app(
     weights: str = "auto",
     compile: bool = True,
 ) -> FastAPI:
-    """The server as `tide serve` runs it."""
-    target = load_target(model, dtype, weights=weights, compile=compile)
+    """The server as `tide serve` runs it: it answers as soon as the model is loaded, and compiles
+    its layers meanwhile."""
+    target = load_target(model, dtype, weights=weights)
+    if compile:
+        target.compile_in_background()
     start = load_start_draft(target, draft, dtype) if node.engine.gamma > 0 or node.adaptive else None
     return make_app(ServingNode.build(target, start, node), server)
 

@@ -194,10 +194,13 @@ def tide_process(
 
 @contextmanager
 def serve_process(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`tide serve ARGS`; yields its base URL once healthy."""
+    """`tide serve ARGS`; yields its base URL once healthy. These nodes are tested for what they do,
+    not how fast: they skip compiling their layers (15 s a start with warm kernels; the stack tests
+    serve as `make up` does, compiled)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with tide_process(["serve", "--port", str(port), *args], log, env) as proc:
+    compiled = [] if "--compile" in args or "--engine" in args else ["--no-compile"]
+    with tide_process(["serve", "--port", str(port), *compiled, *args], log, env) as proc:
         wait_http_ok(f"{url}/health", proc, 300, "server", lambda: log.read_text()[-3000:], AssertionError)
         yield url
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tide.models.loader import load_target
 from tide.prompts import load_prompts, split
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
@@ -35,6 +36,25 @@ def test_greedy_speculation_is_token_identical_in_fp32(target_fp32, trained_draf
         assert not mismatched, f"batch {batch}, gamma {gamma}: prompts {mismatched} differ"
         accepted += int(engine.stats.accepted.sum())
     assert accepted > 0  # the trained draft was right often enough to exercise multi-token acceptance
+
+
+def test_greedy_speculation_is_token_identical_on_the_gguf_blocks(trained_draft_dir) -> None:
+    """The default weight mode: the file's own 4-bit blocks through torch's int4 kernel (fp32
+    activations, so only the rule can part the outputs, not rounding)."""
+    target = load_target(dtype=torch.float32, weights="gguf")
+    assert target.weights == "gguf"
+    prompts = _prompts(target, 8)
+    params = SamplingParams(max_tokens=16)
+    base = Engine(target, None, EngineConfig(max_batch=4, max_model_len=256, gamma=0))
+    ref = [s.output for s in base.generate(prompts, params)]
+    accepted = 0
+    for batch, gamma, rows in ((1, 3, slice(None, None, 4)), (4, 4, slice(None))):
+        engine = Engine(target, None, EngineConfig(max_batch=batch, max_model_len=256, gamma=gamma))
+        engine.load_draft(trained_draft_dir)
+        out = [s.output for s in engine.generate(prompts[rows], params)]
+        assert out == ref[rows], f"batch {batch}, gamma {gamma}"
+        accepted += int(engine.stats.accepted.sum())
+    assert accepted > 0
 
 
 def test_greedy_with_the_hybrid_proposer_is_token_identical_in_fp32(target_fp32, trained_draft_dir) -> None:

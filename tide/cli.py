@@ -885,6 +885,8 @@ def bench_shift(
     max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
     model: str | None = typer.Option(None, "--model"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help=COMPILE_HELP),
     work_dir: Path | None = typer.Option(
         None, "--work-dir", help="keep broker, registry, trainer state here (default: removed after the run)"
     ),
@@ -908,7 +910,7 @@ def bench_shift(
     cfg = ShiftBenchConfig(files, static_draft, phase_seconds=phase_seconds, slot_seconds=slot_seconds,
                            window_seconds=window_seconds, max_batch=max_batch, max_new_tokens=max_new_tokens,
                            model=model, work_dir=work_dir, dtype=_dtype(dtype), engine=engine,
-                           proposer=proposer)  # fmt: skip
+                           proposer=proposer, weights=_weights(weights), compile=compile)  # fmt: skip
     if engine not in ("tide", "vllm"):
         raise typer.BadParameter("tide or vllm", param_hint="--engine")
     if not (static_draft / "model.safetensors").is_file():
@@ -988,6 +990,7 @@ def bench_records(
     ),
     seeds: str = typer.Option("0", "--seeds", help="training seeds, e.g. 0,1,2: τ ratios are their median"),
     model: str | None = typer.Option(None, "--model"),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     plot: Path | None = typer.Option(None, "--plot", help="PNG: bytes, error and draft quality per codec"),
 ) -> None:
     """Record codecs: bytes per token, fidelity, draft quality; and capture's cost to serving."""
@@ -1001,7 +1004,8 @@ def bench_records(
         seed_list = tuple(int(x) for x in seeds.split(","))
     except ValueError:
         raise typer.BadParameter("comma-separated integers", param_hint="--seeds") from None
-    cfg = RecordsBenchConfig(prompts, limit, max_new_tokens, chosen, train_steps, seed_list, model=model)
+    cfg = RecordsBenchConfig(prompts, limit, max_new_tokens, chosen, train_steps, seed_list, model=model,
+                             weights=_weights(weights))  # fmt: skip
     with _clear_errors():
         report = run_records_bench(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -1035,6 +1039,7 @@ def bench_training(
     ),
     replay_positions: int = typer.Option(2048, "--replay-positions"),
     model: str | None = typer.Option(None, "--model"),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
 ) -> None:
     """TIDE's trainer (states from Kafka) against re-running the target's prefill (SpecForge online)."""
     from tide.bench.training import TrainingBenchConfig, run_training_bench
@@ -1044,7 +1049,7 @@ def bench_training(
 
     cfg = TrainingBenchConfig(
         prompts, requests, max_new_tokens, slice_requests, replay_positions=replay_positions,
-        keep_slices=keep_slices, model=model,
+        keep_slices=keep_slices, model=model, weights=_weights(weights),
     )  # fmt: skip
     with _clear_errors():
         report = run_training_bench(cfg)

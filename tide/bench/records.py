@@ -45,6 +45,7 @@ class RecordsBenchConfig:
     seeds: tuple[int, ...] = (0,)  # each trains a raw draft and one per codec; ratios are per seed
     overhead_rounds: int = 4  # each runs every codec's capture and no capture once
     model: str | None = None
+    weights: str = "auto"  # the serving target's linears (`tide.models.weights`)
 
 
 def as_records(ex: Example, fingerprint: str, size: int = CHUNK) -> list[HiddenStateRecord]:
@@ -137,7 +138,7 @@ def _capture_overhead(target: Target, prompts: list[list[int]], cfg: RecordsBenc
 
 
 def run_records_bench(cfg: RecordsBenchConfig) -> dict[str, Any]:
-    target = load_target(cfg.model)
+    target = load_target(cfg.model, weights=cfg.weights, compile=cfg.weights != "bf16")
     chosen: list[Prompt] = split(load_prompts(cfg.prompts), "all")[: cfg.limit]
     boot = BootstrapConfig(max_new_tokens=cfg.max_new_tokens)
     examples = collect(target, chosen, boot, time.monotonic() + 10**9)
@@ -151,6 +152,7 @@ def run_records_bench(cfg: RecordsBenchConfig) -> dict[str, Any]:
         len(encode(r, "bf16", zstd=False)) for e in examples for r in as_records(e, target.fingerprint)
     )
     report: dict[str, Any] = {
+        "weights": target.weights,
         "prompts": len(examples),
         "positions": positions,
         "raw_bf16_bytes_per_token": raw_bytes / positions,

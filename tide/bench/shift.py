@@ -70,6 +70,8 @@ class ShiftBenchConfig:
     static_gamma: int = 3
     model: str | None = None
     dtype: torch.dtype = field(default_factory=native_dtype)  # the target's
+    weights: str = "auto"  # the target's linears (`tide.models.weights`)
+    compile: bool = True
     # broker, registry and trainer state, kept for the replay scripts; default: a temporary folder,
     # removed after the run (an hour's captured hidden states run to gigabytes)
     work_dir: Path | None = None
@@ -228,7 +230,7 @@ def _serve_shift(cfg: ShiftBenchConfig, work: Path) -> dict[str, Any]:
     with KafkaBroker(work / "kafka") as kafka, MlflowServer(work / "mlflow") as mlflow:
         _pin(serving_cores)
         torch.set_num_threads(len(serving_cores))
-        target = load_target(cfg.model, cfg.dtype)
+        target = load_target(cfg.model, cfg.dtype, weights=cfg.weights, compile=cfg.compile)
         # the static draft learnt the first workload's training prompts: that workload serves its test
         # prompts; the others serve all of theirs (no draft here has seen them)
         phases = [

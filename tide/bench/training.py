@@ -59,6 +59,7 @@ class TrainingBenchConfig:
     draft_vocab: int = 4096
     held_out_percent: int = 10
     model: str | None = None
+    weights: str = "auto"  # the serving target's linears (`tide.models.weights`)
 
 
 def _topic_bytes(log_dir: Path) -> int:
@@ -72,7 +73,7 @@ def _topic_bytes(log_dir: Path) -> int:
 
 
 def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
-    target = load_target(cfg.model)
+    target = load_target(cfg.model, weights=cfg.weights, compile=cfg.weights != "bf16")
     tok, mcfg = target.tok, target.config
     lm_head = target.model.lm_head.weight.detach().float()
     embed = torch.nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().float(), freeze=True)
@@ -81,6 +82,7 @@ def run_training_bench(cfg: TrainingBenchConfig) -> dict[str, Any]:
     topics = TopicConfig()  # as a node makes it: sized once the trainer has measured the traffic
     served: list[Sequence] = []
     report: dict[str, Any] = {
+        "weights": target.weights,
         "requests": cfg.requests,
         "codec": cfg.codec,
         "keep_slices": cfg.keep_slices,

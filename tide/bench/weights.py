@@ -207,7 +207,7 @@ def plot_weights_report(report: dict[str, Any], path: Path) -> None:
     ax3.bar_label(bars, labels=[f"{a:.3f}\nKL {k:.4f}" for a, k in zip(agree, kl, strict=True)], fontsize=8)
     ax3.set_ylim(min(agree) - 0.05, 1.0)
     ax3.set_ylabel("top-1 agreement with fp32")
-    ax3.set_title("quality on the shipped workloads' held-out prompts")
+    ax3.set_title("quality, held-out prompts of 4 workloads")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

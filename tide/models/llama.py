@@ -344,15 +344,33 @@ class LlamaModel(nn.Module):
         self._runs = [LayerRun(self.layers, i, size) for i in range(0, n, size)]
         for run in self._runs:
             run.compile(dynamic=True)
+        # every compiled model shares LayerRun's code object, and each adds a graph per shape class
+        # (batch and tokens 1 or more) and weight format: past the limit torch runs the rest eagerly
+        torch._dynamo.config.recompile_limit += 16
         try:
-            with torch.inference_mode():
-                for b, t in ((1, 4), (1, 1), (2, 3), (2, 1)):
-                    self.forward_once(torch.zeros(b, t, dtype=torch.long))
+            self._warm_up()
         except Exception as e:  # torch raises its own types from the compiler's toolchain
             log.warning("torch.compile failed (%s): the target runs eagerly", e)
             self._runs = []
             return False
         return True
+
+    def _warm_up(self) -> None:
+        """Compile the shapes serving runs, on a cache made as the engine makes its own (outside
+        inference mode: torch guards on it): a prefill (keys = its tokens), then decode and verify
+        steps at batch 1 and 2 over longer contexts. Sizes of 1 are compiled apart (torch
+        specializes them), so each class is shown the size it serves with."""
+        cache = self.new_cache(2, 32)
+        with torch.inference_mode():
+            self(
+                torch.zeros(1, 4, dtype=torch.long),
+                Batch.make(0, torch.arange(4)[None], None, 32),
+                cache,
+                True,
+            )
+            for b, t in ((1, 1), (1, 3), (2, 1), (2, 3)):
+                pos = (6 + torch.arange(t)).repeat(b, 1)
+                self(torch.zeros(b, t, dtype=torch.long), Batch.make(0, pos, None, 32), cache, True)
 
     @torch.inference_mode()
     def forward_once(self, tokens: torch.Tensor, capture_aux: bool = False) -> ForwardOutput:
@@ -366,4 +384,7 @@ class LlamaModel(nn.Module):
 
     def new_cache(self, slots: int, capacity: int) -> KVCache:
         c = self.cfg
-        return KVCache.allocate(c.num_layers, slots, c.num_kv_heads, capacity, c.head_dim, self.dtype)
+        # never an inference tensor, wherever it is made: compiled layers guard on the kind, and one
+        # kind of cache keeps them to one set of graphs
+        with torch.inference_mode(False):
+            return KVCache.allocate(c.num_layers, slots, c.num_kv_heads, capacity, c.head_dim, self.dtype)

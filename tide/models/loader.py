@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,19 @@ class Target:
     @property
     def config(self) -> LlamaConfig:
         return self.model.cfg
+
+    def compile(self) -> bool:
+        """Compile the decoder layers (`LlamaModel.compile_layers`); True once they run compiled.
+        oneDNN's prepacked weights (bf16 mode) are not graph constants to inductor: those stay eager."""
+        self.compiled = self.weights != "bf16" and self.model.compile_layers()
+        return self.compiled
+
+    def compile_in_background(self) -> threading.Thread:
+        """The same on a thread of its own: a serving node answers (eagerly) while it compiles, and
+        its next forward pass after that runs compiled."""
+        thread = threading.Thread(target=self.compile, name="tide-compile", daemon=True)
+        thread.start()
+        return thread
 
     @property
     def tok(self) -> Tokenizer:
@@ -327,9 +341,10 @@ def load_target(
     mode = quantize_linears(model, weights, p)
     if pack:
         pack_linears(model)
-    # oneDNN's prepacked weights (bf16 mode) are not graph constants to inductor: those layers stay eager
-    compiled = compile and mode != "bf16" and model.compile_layers()
-    return Target(model, tokenizer, fp, p, mode, compiled)
+    target = Target(model, tokenizer, fp, p, mode)
+    if compile:
+        target.compile()
+    return target
 
 
 @dataclass
