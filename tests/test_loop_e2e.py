@@ -180,7 +180,10 @@ def test_tide_up_learns_a_mismatched_workload_and_stops(trained_draft_dir: Path,
     # floor has its own test (test_registry_gate).
     args = ["up", "--data", str(data), "--port", str(port), "--mlflow-port", str(ui_port), "--s3",
             "--workloads", workload, "--draft", str(trained_draft_dir),
-            "--serve-args", "--gamma 3 --max-batch 4 --max-model-len 768 --chunk-positions 48 --registry-poll 2",
+            # dense and eager as the draft was trained: the loop is under test here, the default weights
+            # in test_stack_first_run
+            "--serve-args", "--gamma 3 --max-batch 4 --max-model-len 768 --chunk-positions 48 --registry-poll 2 "
+                            "--weights bf16 --no-compile",
             "--train-args", "--eval-every 25 --checkpoint-every 25 --vocab-warmup 1024",
             "--gate-args", "--poll-seconds 3 --min-positions 128 --min-speedup 0"]  # fmt: skip
     # every part one thread: the node, the trainer and the gate share two cores
