@@ -40,16 +40,18 @@ def test_greedy_speculation_is_token_identical_in_fp32(target_fp32, trained_draf
 
 def test_greedy_speculation_is_token_identical_on_the_gguf_blocks(trained_draft_dir) -> None:
     """The default weight mode: the file's own 4-bit blocks through torch's int4 kernel (fp32
-    activations, so only the rule can part the outputs, not rounding)."""
+    activations, so only the rule can part the outputs, not rounding). Torch's int4 kernel has no
+    fast fp32 path (0.1 s a decode step), so the prompts are each prompt's last 16 tokens (the end of
+    its question and the assistant's header)."""
     target = load_target(dtype=torch.float32, weights="gguf")
     assert target.weights == "gguf"
-    prompts = _prompts(target, 8)
-    params = SamplingParams(max_tokens=16)
-    base = Engine(target, None, EngineConfig(max_batch=4, max_model_len=256, gamma=0))
+    prompts = [p[-16:] for p in _prompts(target, 4)]
+    params = SamplingParams(max_tokens=12)
+    base = Engine(target, None, EngineConfig(max_batch=4, max_model_len=64, gamma=0))
     ref = [s.output for s in base.generate(prompts, params)]
     accepted = 0
-    for batch, gamma, rows in ((1, 3, slice(None, None, 4)), (4, 4, slice(None))):
-        engine = Engine(target, None, EngineConfig(max_batch=batch, max_model_len=256, gamma=gamma))
+    for batch, gamma, rows in ((1, 3, slice(0, 1)), (4, 3, slice(None))):
+        engine = Engine(target, None, EngineConfig(max_batch=batch, max_model_len=64, gamma=gamma))
         engine.load_draft(trained_draft_dir)
         out = [s.output for s in engine.generate(prompts[rows], params)]
         assert out == ref[rows], f"batch {batch}, gamma {gamma}"
