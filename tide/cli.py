@@ -21,7 +21,7 @@ from tide.config import (
 from tide.models.loader import Target
 from tide.models.weights import WEIGHT_MODES, WEIGHTS_HELP
 from tide.producers.records import DEFAULT_CODEC
-from tide.prompts import Prompt
+from tide.prompts import WORKLOADS, Prompt
 
 PROPOSER_HELP = (
     "draft: the learned draft; suffix: continue the workload's recent text (no draft needed); hybrid: "
@@ -37,7 +37,6 @@ app.callback()(give_freed_tensors_back)  # every tide process: the long-running 
 app.add_typer(draft_app, name="draft")
 app.add_typer(bench_app, name="bench")
 
-WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"
 DEFAULT_WORKLOADS = ("chat_en", "code", "math", "chat_fr")
 
 
@@ -63,9 +62,7 @@ def _clear_errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
-COMPILE_HELP = (
-    "compile the target's decoder layers with torch.compile (quantized weights; ~30 s once, cached)"
-)
+COMPILE_HELP = "compile the target's decoder layers with torch.compile (quantized weights; once, then cached)"
 
 
 def _weights(name: str) -> str:

@@ -8,6 +8,9 @@ from pathlib import Path
 
 from tide.models.tokenizer import Tokenizer
 
+# the prompt files shipped with the project (`workloads/`), which the CLI and benchmarks default to
+WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"
+
 
 class PromptFileError(ValueError):
     pass

@@ -25,11 +25,9 @@ from tide.bench import cpu_description
 from tide.bench.spec import open_llama_cpp
 from tide.config import native_dtype
 from tide.models.loader import Target, load_target
-from tide.prompts import load_prompts, split
+from tide.prompts import WORKLOADS, load_prompts, split
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
-
-WORKLOADS = Path(__file__).resolve().parent.parent.parent / "workloads"
 
 
 @dataclass

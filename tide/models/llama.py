@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -311,11 +312,16 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache, capture_aux: bool) -> ForwardOutput:
+        return self._forward(self.runs, tokens, batch, cache, capture_aux)
+
+    def _forward(
+        self, runs: list[LayerRun], tokens: torch.Tensor, batch: Batch, cache: KVCache, capture_aux: bool
+    ) -> ForwardOutput:
         x = self.embed_tokens(tokens)
         rope = self.rope(batch.positions, x.dtype)
         batch.grouped_mask(self.cfg.num_heads // self.cfg.num_kv_heads)  # made here, read by every layer
         taken: dict[int, torch.Tensor] = {}
-        for run in self.runs:
+        for run in runs:
             ids = range(run.first, run.first + len(run.layers))
             x, inputs = run(x, rope, batch, [cache.k[i] for i in ids], [cache.v[i] for i in ids])
             if capture_aux:
@@ -337,40 +343,43 @@ class LlamaModel(nn.Module):
         and a run pays its guards once for its layers. Runs of one length share their graphs (the
         weights are inputs); shapes are dynamic (batch, tokens, context). Tried at once on prefill,
         decode and verify shapes; where it cannot compile (no C++ compiler) the layers stay eager:
-        False. Run length: on the default model, per-layer calls took 13.5 ms a decode step, runs of
-        5 about 12, of 15 about 11.5, with a cold compile of 26, 18 and 39 s."""
+        False. Longer runs cost less per step and more compile time (`docs/experiments.md`)."""
         n = len(self.layers)
         size = max(d for d in range(1, 7) if n % d == 0)
-        self._runs = [LayerRun(self.layers, i, size) for i in range(0, n, size)]
-        for run in self._runs:
+        runs = [LayerRun(self.layers, i, size) for i in range(0, n, size)]
+        for run in runs:
             run.compile(dynamic=True)
         # every compiled model shares LayerRun's code object, and each adds a graph per shape class
         # (batch and tokens 1 or more) and weight format: past the limit torch runs the rest eagerly
         torch._dynamo.config.recompile_limit += 16
+        start = time.perf_counter()
         try:
-            self._warm_up()
+            self._warm_up(runs)
         except Exception as e:  # torch raises its own types from the compiler's toolchain
             log.warning("torch.compile failed (%s): the target runs eagerly", e)
-            self._runs = []
             return False
+        # one assignment, taken up by the next forward pass: until then (a node compiling in the
+        # background) every pass runs the eager layers, and no two threads compile at once
+        self._runs = runs
+        log.info(
+            "decoder layers compiled in %.0f s (%d runs of %d)", time.perf_counter() - start, len(runs), size
+        )
         return True
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, runs: list[LayerRun]) -> None:
         """Compile the shapes serving runs, on a cache made as the engine makes its own (outside
         inference mode: torch guards on it): a prefill (keys = its tokens), then decode and verify
         steps at batch 1 and 2 over longer contexts. Sizes of 1 are compiled apart (torch
         specializes them), so each class is shown the size it serves with."""
         cache = self.new_cache(2, 32)
         with torch.inference_mode():
-            self(
-                torch.zeros(1, 4, dtype=torch.long),
-                Batch.make(0, torch.arange(4)[None], None, 32),
-                cache,
-                True,
-            )
+            prefill = Batch.make(0, torch.arange(4)[None], None, 32)
+            self._forward(runs, torch.zeros(1, 4, dtype=torch.long), prefill, cache, True)
             for b, t in ((1, 1), (1, 3), (2, 1), (2, 3)):
                 pos = (6 + torch.arange(t)).repeat(b, 1)
-                self(torch.zeros(b, t, dtype=torch.long), Batch.make(0, pos, None, 32), cache, True)
+                self._forward(
+                    runs, torch.zeros(b, t, dtype=torch.long), Batch.make(0, pos, None, 32), cache, True
+                )
 
     @torch.inference_mode()
     def forward_once(self, tokens: torch.Tensor, capture_aux: bool = False) -> ForwardOutput:

@@ -10,9 +10,8 @@
 | `gguf` | the GGUF file's own Q4_0/Q4_1 blocks, unchanged | as `int4` |
 
 A decode step reads every weight once, so fewer bytes per weight is fewer bytes per token. The LM
-head (the tied embedding) stays dense in every mode: 4 bits there moved the logits most (top-1
-agreement with fp32 0.87 against 0.97), and torch's int8 kernel ran it slower than oneDNN's bf16
-on an AMD EPYC. Q4_1 stores a block of 32 weights as w = d * q + m with q in 0..15; torch's int4
+head (the tied embedding) stays dense in every mode: 4 bits there cost the most agreement with
+fp32, and torch's int8 kernel was no faster there than oneDNN's bf16 (`docs/experiments.md`). Q4_1 stores a block of 32 weights as w = d * q + m with q in 0..15; torch's int4
 kernel computes w = (q - 8) * scale + zero, so scale = d and zero = m + 8d (Q4_0: w = d * (q - 8),
 zero 0). Weights are quantized once at load; activations stay in the serving dtype.
 """
