@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tide.bench import cpu_description
 from tide.config import native_dtype
 from tide.models.eagle3 import Eagle3Draft
 from tide.models.hf_folder import write_hf_folder
@@ -249,6 +250,7 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     tapped = engines["speculative_tap"]
     adaptive = engines["adaptive"]
     report: dict[str, Any] = {
+        "cpu": cpu_description(),
         "dtype": str(cfg.dtype).replace("torch.", ""),
         "weights": target.weights,
         "compiled": target.compiled,
@@ -389,7 +391,7 @@ def plot_spec_report(report: dict[str, Any], path: Path) -> None:
     ax1.tick_params(axis="x", labelsize=8)
     ax1.set_ylabel("tokens/s")
     ax1.set_title(
-        f"batch {report['batch_size']}, {report['dtype']}: {report['speedup']:.2f}x, "
+        f"batch {report['batch_size']}, {report.get('weights', report['dtype'])}: {report['speedup']:.2f}x, "
         f"adaptive {report['adaptive_speedup']:.2f}x"
     )
     engines = [("TIDE", report["speculative"], "#2a7")]
