@@ -13,7 +13,6 @@ from tide.models.weights import (
     GGUFBlockError,
     Int4Blocks,
     Int4Linear,
-    Int8Head,
     Int8Linear,
     quantize_linears,
     read_gguf_blocks,
@@ -64,34 +63,6 @@ def test_int4_blocks_round_trip_and_the_kernel_computes_them() -> None:
         y = layer(x)
         assert y.shape == (3, 5, 96)
         assert torch.allclose(y, x @ dense.T, atol=1e-4), type(layer).__name__
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_int8_head_keeps_rows_apart_and_its_dense_channels_dense(dtype: torch.dtype) -> None:
-    """A row's logits are bitwise the same alone as beside other rows (a verify row equals the
-    decode row), a large channel no longer sets the other channels' scale, and a quantized target
-    takes the head, its dense weight kept for readers."""
-    torch.manual_seed(0)
-    w = torch.randn(300, 64)
-    x = torch.randn(2, 5, 64)
-    x[..., 7] *= 50  # an outlier channel
-    x[1, 3] *= 100  # and an outlier row: its scale must not reach the others
-    dense = x @ w.T
-    err = {}
-    for channels in ([], [7]):
-        head = Int8Head(w.to(dtype), torch.tensor(channels, dtype=torch.long))
-        assert head.qweight.dtype == torch.int8
-        y = head(x.to(dtype))
-        assert y.shape == (2, 5, 300) and y.dtype == torch.float32
-        for b, t in ((0, 0), (1, 4), (1, 3)):
-            assert torch.equal(head(x[b, t][None, None].to(dtype))[0, 0], y[b, t])
-        err[len(channels)] = float(((y - dense).norm(dim=-1) / dense.norm(dim=-1)).max())
-    assert err[1] < 0.01 < err[0]
-    target = tiny_target(seed=0)
-    dense_weight = target.model.lm_head.weight
-    quantize_linears(target.model, "int4")
-    assert isinstance(target.model.lm_head, Int8Head)
-    assert target.model.lm_head.weight is dense_weight  # for readers: trainers, tied embeddings
 
 
 def test_a_file_without_4_bit_blocks_is_refused_for_gguf_mode(tmp_path) -> None:

@@ -1,19 +1,17 @@
 """How the target's linear layers hold their weights: `--weights bf16|int8|int4|gguf`.
 
-| mode | decoder linears | kernel | LM head |
-| --- | --- | --- | --- |
-| `bf16` | dense, in the serving dtype (bf16, or fp32 where bf16 is emulated) | oneDNN, prepacked | dense |
-| `int8` | int8, one scale per output row | `aten._weight_int8pack_mm` | `Int8Head` |
-| `int4` | int4 in groups of 32 along the input (scale and zero per group) | `aten._weight_int4pack_mm_for_cpu` | `Int8Head` |
-| `gguf` | the GGUF file's own Q4_0/Q4_1 blocks, unchanged | as `int4` | `Int8Head` |
+| mode | decoder linears | kernel |
+| --- | --- | --- |
+| `bf16` | dense, in the serving dtype (bf16, or fp32 where bf16 is emulated) | oneDNN, prepacked |
+| `int8` | int8, one scale per output row | `aten._weight_int8pack_mm` |
+| `int4` | int4 in groups of 32 along the input (scale and zero per group) | `aten._weight_int4pack_mm_for_cpu` |
+| `gguf` | the GGUF file's own Q4_0/Q4_1 blocks, unchanged | as `int4` |
 
 A decode step reads every weight once, so fewer bytes per weight is fewer bytes per token. The LM
-head (the tied embedding, a fifth of the model) is int8 times int8 inputs, but for the few input
-channels where the final hidden state is largest (`Int8Head`); a 4-bit head cost the most agreement
-with fp32 (`docs/experiments.md`). Q4_1 stores a block of 32 weights as w = d * q + m with q in
-0..15; torch's int4 kernel computes w = (q - 8) * scale + zero, so scale = d and zero = m + 8d
-(Q4_0: w = d * (q - 8), zero 0). Weights are quantized once at load; the decoder linears' inputs
-stay in the serving dtype.
+head (the tied embedding) stays dense in every mode: 4 bits there cost the most agreement with
+fp32, and int8 was no faster there than oneDNN's bf16 (`docs/experiments.md`). Q4_1 stores a block of 32 weights as w = d * q + m with q in 0..15; torch's int4
+kernel computes w = (q - 8) * scale + zero, so scale = d and zero = m + 8d (Q4_0: w = d * (q - 8),
+zero 0). Weights are quantized once at load; activations stay in the serving dtype.
 """
 
 from __future__ import annotations
@@ -34,13 +32,6 @@ INT4_GROUP = 32  # GGUF's block size; torch's int4 kernel takes it as its group 
 _INNER_K_TILES = 8  # torch's int4 packing for CPU; the kernel reads it back from the packed shape
 
 
-def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 with one fp32 scale per output row: (q (N, K) int8, scale (N,))."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
-
-
 class Int8Linear(nn.Module):
     """Weight-only int8 with one scale per output row (symmetric)."""
 
@@ -50,8 +41,9 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        q, scale = int8_rows(weight)
-        self.register_buffer("qweight", q)
+        w = weight.detach().float()
+        scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+        self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
@@ -59,62 +51,6 @@ class Int8Linear(nn.Module):
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scale)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
-
-
-class Int8Head(nn.Module):
-    """The LM head as int8 weights (a scale per output row) times int8 inputs (a scale per input
-    row, taken at each call) through torch's integer matmul, which VNNI runs on int8 directly;
-    the `dense` input channels, where the final hidden state is largest, stay dense: their range
-    would set every row's scale. Integer sums are exact, each row is scaled alone and the dense
-    channels go row by row (a batched GEMV), so a row's logits never depend on the rows beside it:
-    a verify row equals the decode row, as lossless greedy speculation needs. Returns fp32."""
-
-    dense: torch.Tensor
-    dense_weight: torch.Tensor
-    qweight: torch.Tensor
-    scale: torch.Tensor
-
-    def __init__(self, weight: torch.Tensor, dense: torch.Tensor):
-        super().__init__()
-        self.weight = weight  # kept for readers (tied embeddings, trainers); not used to compute
-        self.out_features, self.in_features = weight.shape
-        w = weight.detach().float()
-        self.register_buffer("dense", dense)
-        # (k, N) in the weight's own dtype: the serving dtype, as the dense head had it
-        self.register_buffer("dense_weight", weight.detach()[:, dense].t().contiguous())
-        q, scale = int8_rows(w.index_fill(1, dense, 0.0))
-        self.register_buffer("qweight", q)
-        self.register_buffer("scale", scale)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        kept = flat.index_select(1, self.dense).to(self.dense_weight.dtype)
-        rows = flat.float().index_fill(1, self.dense, 0.0)
-        s = (rows.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12)
-        acc = torch._int_mm((rows / s).round().to(torch.int8), self.qweight.t())
-        y = acc.float().mul_(s).mul_(self.scale)
-        y += torch.bmm(kept.unsqueeze(1), self.dense_weight.expand(len(rows), -1, -1))[:, 0]
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-HEAD_DENSE_CHANNELS = 32  # of 576 in the default model (`docs/experiments.md`: 8 to 64 tried)
-
-
-def int8_head(model: nn.Module) -> Int8Head | None:
-    """An `Int8Head` for the model as it stands, its dense channels the final hidden state's largest
-    over 256 random tokens (they come from the weights: 29 of the 32 found over real prompts);
-    None where torch has no integer matmul for this CPU."""
-    from tide.models.llama import LlamaModel
-
-    assert isinstance(model, LlamaModel)
-    try:
-        torch._int_mm(torch.ones(1, 32, dtype=torch.int8), torch.ones(32, 8, dtype=torch.int8))
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return None
-    tokens = torch.randint(0, model.cfg.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
-    hidden = model.forward_once(tokens).hidden.flatten(0, 1).float()
-    k = min(HEAD_DENSE_CHANNELS, model.cfg.hidden_size // 8)
-    return Int8Head(model.lm_head.weight, hidden.abs().amax(0).topk(k).indices.sort().values)
 
 
 @dataclass
@@ -249,8 +185,8 @@ def read_gguf_blocks(path: Path, heads: int, kv_heads: int) -> dict[str, Int4Blo
 
 
 def quantize_linears(model: nn.Module, mode: str, gguf_path: Path | None = None) -> str:
-    """Replace the target's decoder linears and LM head (in place) by the mode's; `bf16` leaves them
-    to `pack_linears`. Returns the mode applied (`auto` resolved)."""
+    """Replace the target's decoder linears (in place) by the mode's; `bf16` leaves them to
+    `pack_linears`. Returns the mode applied (`auto` resolved)."""
     from tide.models.llama import LlamaModel
 
     if mode not in WEIGHT_MODES:
@@ -284,7 +220,4 @@ def quantize_linears(model: nn.Module, mode: str, gguf_path: Path | None = None)
         else:
             new = Int4Linear(Int4Blocks.quantize(w), b, dtype)
         setattr(model.get_submodule(parent), attr, new)
-    head = int8_head(model)
-    if head is not None:  # a stand-in with the Linear's `weight`, as pack_linears makes
-        model.lm_head = head  # type: ignore[assignment]
     return mode
