@@ -36,7 +36,7 @@ from tide.producers.assembler import RequestAssembler
 from tide.producers.consumer import RecordConsumer
 from tide.producers.publisher import PublisherConfig, RecordPublisher
 from tide.producers.records import HiddenStateRecord
-from tide.prompts import load_prompts, split
+from tide.prompts import WORKLOADS, load_prompts, split
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 from tide.serving.vllm_adapter.config import TapConfig, VllmConfig
@@ -46,7 +46,6 @@ from tide.trainers.export import export_speculators
 
 GAMMA = 3
 SOURCES = ("parity-tide", "parity-vllm")
-WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 
 
 def tau(draft: Path | None, prompts: list[list[int]], new_tokens: int) -> float:

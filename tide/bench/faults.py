@@ -34,11 +34,10 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from tide.bench import cpu_description
-from tide.prompts import Prompt, load_prompts
+from tide.prompts import WORKLOADS, Prompt, load_prompts
 from tide.registry.tags import VersionTags, source_tags
 
 log = logging.getLogger("tide.bench")
-ROOT = Path(__file__).resolve().parent.parent.parent
 INJECTED_TAG = "faults.injected"  # marks the versions the bench made champion by hand
 
 
@@ -48,8 +47,8 @@ class FaultsBenchConfig:
     clients: int = 3  # well-formed clients, each with one request in flight
     workloads: dict[str, Path] = field(
         default_factory=lambda: {
-            "default": ROOT / "workloads" / "chat_en.jsonl",
-            "code": ROOT / "workloads" / "code.jsonl",
+            "default": WORKLOADS / "chat_en.jsonl",
+            "code": WORKLOADS / "code.jsonl",
         }
     )
     max_tokens: int = 48

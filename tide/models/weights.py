@@ -9,9 +9,10 @@
 
 A decode step reads every weight once, so fewer bytes per weight is fewer bytes per token. The LM
 head (the tied embedding) stays dense in every mode: 4 bits there cost the most agreement with
-fp32, and int8 was no faster there than oneDNN's bf16 (`docs/experiments.md`). Q4_1 stores a block of 32 weights as w = d * q + m with q in 0..15; torch's int4
-kernel computes w = (q - 8) * scale + zero, so scale = d and zero = m + 8d (Q4_0: w = d * (q - 8),
-zero 0). Weights are quantized once at load; activations stay in the serving dtype.
+fp32, and int8 was no faster there than oneDNN's bf16 (`docs/experiments.md`). Q4_1 stores a block
+of 32 weights as w = d * q + m with q in 0..15; torch's int4 kernel computes w = (q - 8) * scale +
+zero, so scale = d and zero = m + 8d (Q4_0: w = d * (q - 8), zero 0). Weights are quantized once at
+load; activations stay in the serving dtype.
 """
 
 from __future__ import annotations
