@@ -17,6 +17,7 @@ from tide.models.weights import (
     quantize_linears,
     read_gguf_blocks,
 )
+from tide.prompts import WORKLOADS
 from tide.serving.engine import Engine, EngineConfig
 from tide.serving.sampling import SamplingParams
 
@@ -85,8 +86,25 @@ def test_a_file_without_4_bit_blocks_is_refused_for_gguf_mode(tmp_path) -> None:
         quantize_linears(target.model, "int3", None)
 
 
-def test_an_unknown_weight_mode_is_refused_before_anything_loads() -> None:
-    res = CliRunner().invoke(app, ["bench", "weights", "--modes", "int3"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "weights", "--modes", "int3"],
+        [
+            "draft",
+            "train",
+            "--prompts",
+            str(WORKLOADS / "code.jsonl"),
+            "--out",
+            "unused",
+            "--weights",
+            "int3",
+        ],
+        ["draft", "ensure-default", "--weights", "int3"],
+    ],
+)
+def test_an_unknown_weight_mode_is_refused_before_anything_loads(args: list[str]) -> None:
+    res = CliRunner().invoke(app, args)
     assert res.exit_code == 2 and "--weights" in res.output
 
 

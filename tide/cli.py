@@ -62,6 +62,10 @@ def _clear_errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
+DRAFT_WEIGHTS_HELP = (
+    "the target's weights while it answers the prompts: the draft learns the hidden states of the mode "
+    "that will serve it (default auto, as `tide serve`)"
+)
 COMPILE_HELP = "compile the target's decoder layers with torch.compile (quantized weights; once, then cached)"
 
 
@@ -109,6 +113,7 @@ def draft_train(
     max_steps: int = typer.Option(
         0, "--max-steps", help="stop after this many training steps (0: train until the budget is spent)"
     ),
+    weights: str = typer.Option("auto", "--weights", help=DRAFT_WEIGHTS_HELP),
 ) -> None:
     """The target answers the prompts, the tap captures hidden states, and an EAGLE-3 head is trained."""
     from tide.bootstrap import BootstrapConfig, bootstrap
@@ -120,7 +125,7 @@ def draft_train(
         for f in prompts:
             chosen = split(load_prompts(f), part)
             items += chosen[:limit] if limit else chosen
-        target = load_target(model)
+        target = load_target(model, weights=_weights(weights), compile=True)
     cfg = BootstrapConfig(
         budget_minutes=budget_minutes,
         max_new_tokens=max_new_tokens,
@@ -157,11 +162,13 @@ def draft_ensure_default(
         "--register",
         help="MLflow tracking URI: make it the `default` workload's champion, unless one is",
     ),
+    weights: str = typer.Option("auto", "--weights", help=DRAFT_WEIGHTS_HELP),
 ) -> None:
     """Train the default draft from the shipped workloads once; later calls find it cached."""
     from tide.models.loader import load_target
 
-    target = load_target(model)
+    with _clear_errors():
+        target = load_target(model, weights=_weights(weights), compile=True)
     out = default_draft_dir(target.fingerprint)
     if (out / "model.safetensors").exists():
         typer.echo(f"default draft present: {out}")
