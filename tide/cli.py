@@ -168,11 +168,12 @@ def draft_ensure_default(
     from tide.models.loader import load_target
 
     with _clear_errors():
-        target = load_target(model, weights=_weights(weights), compile=True)
+        target = load_target(model, weights=_weights(weights))
     out = default_draft_dir(target.fingerprint)
     if (out / "model.safetensors").exists():
         typer.echo(f"default draft present: {out}")
     else:
+        target.compile()  # only to train: a minute cold, where finding the draft takes seconds
         _train_default_draft(target, out, budget_minutes)
     if register:
         from mlflow import MlflowClient
