@@ -166,10 +166,13 @@ def bootstrap(
     target: Target, prompts: list[Prompt], out: Path, cfg: BootstrapConfig, data: Path | None = None
 ) -> BootstrapReport:
     """Collect (or reuse the hidden states saved at `data`), train within the budget, save the draft."""
+    saved = data if data is not None and data.exists() else None
+    if saved is None and not target.compiled:
+        target.compile()  # the target answers the prompts (quantized modes): compiled outside the budget
     start = time.monotonic()
     budget = cfg.budget_minutes * 60
-    if data is not None and data.exists():
-        examples = load_examples(data)
+    if saved is not None:
+        examples = load_examples(saved)
     else:
         examples = collect(target, prompts, cfg, start + budget * cfg.gen_fraction)
         if data is not None:

@@ -120,12 +120,13 @@ def draft_train(
     from tide.models.loader import load_target
     from tide.prompts import load_prompts, split
 
+    mode = _weights(weights)
     with _clear_errors():
         items = []
         for f in prompts:
             chosen = split(load_prompts(f), part)
             items += chosen[:limit] if limit else chosen
-        target = load_target(model, weights=_weights(weights), compile=True)
+        target = load_target(model, weights=mode)
     cfg = BootstrapConfig(
         budget_minutes=budget_minutes,
         max_new_tokens=max_new_tokens,
@@ -173,7 +174,6 @@ def draft_ensure_default(
     if (out / "model.safetensors").exists():
         typer.echo(f"default draft present: {out}")
     else:
-        target.compile()  # only to train: a minute cold, where finding the draft takes seconds
         _train_default_draft(target, out, budget_minutes)
     if register:
         from mlflow import MlflowClient
