@@ -8,17 +8,14 @@ stream before the EAGLE-3 aux layers, which is what the hidden-state tap hands o
 
 from __future__ import annotations
 
-import logging
 import math
-import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,6 +121,9 @@ class KVCache:
 
     k: torch.Tensor
     v: torch.Tensor
+    _rows: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(
+        default_factory=dict, repr=False
+    )
 
     @classmethod
     def allocate(
@@ -135,6 +135,13 @@ class KVCache:
     def move_slot(self, src: int, dst: int, length: int) -> None:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def rows(self, slot0: int, count: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each layer's keys and values of the slots [slot0, slot0 + count): views, made once per span."""
+        if (slot0, count) not in self._rows:
+            end = slot0 + count
+            self._rows[slot0, count] = ([k[slot0:end] for k in self.k], [v[slot0:end] for v in self.v])
+        return self._rows[slot0, count]
 
 
 @dataclass
@@ -258,29 +265,35 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LayerRun(nn.Module):
-    """Consecutive decoder layers called as one (the unit `LlamaModel.compile_layers` compiles). Its
-    layers stay the model's own modules: it is kept outside the module tree and the state dict."""
+class DecoderStack(nn.Module):
+    """The decoder layers on plain tensors: the batch's, and each layer's cache rows as a tensor of its
+    own (written in place). This is the signature `tide.models.aot` exports; the eager path runs the
+    same code. Returns the last layer's output and the aux states (the inputs of the aux layers)."""
 
-    def __init__(self, layers: nn.ModuleList, first: int, count: int):
+    def __init__(self, model: LlamaModel):
         super().__init__()
-        self.first = first
-        self.layers = [layers[i] for i in range(first, first + count)]
+        self.layers, self.rope, self.aux_ids = model.layers, model.rope, model.cfg.aux_layer_ids
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        batch: Batch,
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The run's output and each layer's input (the residual stream the aux states are taken from)."""
-        inputs = []
-        for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
-            inputs.append(x)
+        positions: torch.Tensor,
+        write_positions: torch.Tensor,
+        mask: torch.Tensor,
+        ks: list[torch.Tensor],
+        vs: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = Batch(0, positions, write_positions, mask, mask.shape[-1])
+        rope = self.rope(positions, x.dtype)
+        taken: dict[int, torch.Tensor] = {}
+        for i, (layer, k, v) in enumerate(zip(self.layers, ks, vs, strict=True)):
+            if i in self.aux_ids:
+                taken[i] = x
             x = layer(x, rope, batch, k, v)
-        return x, inputs
+        return x, torch.cat([taken[i] for i in self.aux_ids], -1)
+
+
+StackCall = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
 
 
 @dataclass
@@ -304,82 +317,29 @@ class LlamaModel(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
-        self.aux_ids = set(cfg.aux_layer_ids)
-        self._runs: list[LayerRun] = []  # a plain list: not submodules
+        self._stack: list[DecoderStack] = []  # made on first use; a plain list: not a submodule
+        # the layers compiled ahead of time (`tide.models.aot`): None for a shape it does not cover
+        self.compiled: StackCall | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache, capture_aux: bool) -> ForwardOutput:
-        return self._forward(self.runs, tokens, batch, cache, capture_aux)
-
-    def _forward(
-        self, runs: list[LayerRun], tokens: torch.Tensor, batch: Batch, cache: KVCache, capture_aux: bool
-    ) -> ForwardOutput:
+        assert batch.slots is None, "the target reads contiguous slots"
         x = self.embed_tokens(tokens)
-        rope = self.rope(batch.positions, x.dtype)
-        batch.grouped_mask(self.cfg.num_heads // self.cfg.num_kv_heads)  # made here, read by every layer
-        taken: dict[int, torch.Tensor] = {}
-        for run in runs:
-            ids = range(run.first, run.first + len(run.layers))
-            x, inputs = run(x, rope, batch, [cache.k[i] for i in ids], [cache.v[i] for i in ids])
-            if capture_aux:
-                taken.update((i, inp) for i, inp in zip(ids, inputs, strict=True) if i in self.aux_ids)
-        aux = torch.cat([taken[i] for i in self.cfg.aux_layer_ids], -1) if capture_aux else None
-        return ForwardOutput(self.norm(x), aux)
+        ks, vs = cache.rows(batch.slot0, x.shape[0])
+        args = (x, batch.positions, batch.write_positions, batch.mask, ks, vs)
+        out = self.compiled(*args) if self.compiled is not None else None
+        x, aux = out if out is not None else self.stack(*args)
+        return ForwardOutput(self.norm(x), aux if capture_aux else None)
 
     @property
-    def runs(self) -> list[LayerRun]:
-        """The decoder layers as runs of consecutive layers: one layer each, or as `compile_layers` cut them."""
-        if not self._runs:
-            self._runs = [LayerRun(self.layers, i, 1) for i in range(len(self.layers))]
-        return self._runs
-
-    def compile_layers(self) -> bool:
-        """The decoder layers through torch.compile (inductor), a run of up to six layers per call:
-        a layer's few dozen small operations (norms, RoPE, K/V writes, SiLU) become a handful of
-        fused kernels around the matmuls and attention, where eager mode pays a dispatch for each,
-        and a run pays its guards once for its layers. Runs of one length share their graphs (the
-        weights are inputs); shapes are dynamic (batch, tokens, context). Tried at once on prefill,
-        decode and verify shapes; where it cannot compile (no C++ compiler) the layers stay eager:
-        False. Longer runs cost less per step and more compile time (`docs/experiments.md`)."""
-        n = len(self.layers)
-        size = max(d for d in range(1, 7) if n % d == 0)
-        runs = [LayerRun(self.layers, i, size) for i in range(0, n, size)]
-        for run in runs:
-            run.compile(dynamic=True)
-        # every compiled model shares LayerRun's code object, and each adds a graph per shape class
-        # (batch and tokens 1 or more) and weight format: past the limit torch runs the rest eagerly
-        torch._dynamo.config.recompile_limit += 16
-        start = time.perf_counter()
-        try:
-            self._warm_up(runs)
-        except Exception as e:  # torch raises its own types from the compiler's toolchain
-            log.warning("torch.compile failed (%s): the target runs eagerly", e)
-            return False
-        # one assignment, taken up by the next forward pass: until then (a node compiling in the
-        # background) every pass runs the eager layers, and no two threads compile at once
-        self._runs = runs
-        log.info(
-            "decoder layers compiled in %.0f s (%d runs of %d)", time.perf_counter() - start, len(runs), size
-        )
-        return True
-
-    def _warm_up(self, runs: list[LayerRun]) -> None:
-        """Compile the shapes serving runs, on a cache made as the engine makes its own (outside
-        inference mode: torch guards on it): a prefill (keys = its tokens), then decode and verify
-        steps at batch 1 and 2 over longer contexts. Sizes of 1 are compiled apart (torch
-        specializes them), so each class is shown the size it serves with."""
-        cache = self.new_cache(2, 32)
-        with torch.inference_mode():
-            prefill = Batch.make(0, torch.arange(4)[None], None, 32)
-            self._forward(runs, torch.zeros(1, 4, dtype=torch.long), prefill, cache, True)
-            for b, t in ((1, 1), (1, 3), (2, 1), (2, 3)):
-                pos = (6 + torch.arange(t)).repeat(b, 1)
-                self._forward(
-                    runs, torch.zeros(b, t, dtype=torch.long), Batch.make(0, pos, None, 32), cache, True
-                )
+    def stack(self) -> DecoderStack:
+        """The decoder layers as one module (`DecoderStack`), made once the model is built."""
+        if not self._stack:
+            self._stack.append(DecoderStack(self))
+        return self._stack[0]
 
     @torch.inference_mode()
     def forward_once(self, tokens: torch.Tensor, capture_aux: bool = False) -> ForwardOutput:
@@ -393,7 +353,6 @@ class LlamaModel(nn.Module):
 
     def new_cache(self, slots: int, capacity: int) -> KVCache:
         c = self.cfg
-        # never an inference tensor, wherever it is made: compiled layers guard on the kind, and one
-        # kind of cache keeps them to one set of graphs
+        # never an inference tensor, wherever it is made: it is written in place outside inference mode too
         with torch.inference_mode(False):
             return KVCache.allocate(c.num_layers, slots, c.num_kv_heads, capacity, c.head_dim, self.dtype)

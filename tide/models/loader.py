@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tide.config import cache_dir, file_cache_key, native_dtype
+from tide.models.aot import compile_stack
 from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.packing import pack_linears
 from tide.models.tokenizer import Tokenizer
@@ -52,17 +53,28 @@ class Target:
     fingerprint: str
     path: Path
     weights: str = "bf16"  # how its linears hold their weights (`tide.models.weights`)
-    compiled: bool = False  # its decoder layers run through torch.compile
+    compiled: bool = False  # its decoder layers run compiled ahead of time (`tide.models.aot`)
 
     @property
     def config(self) -> LlamaConfig:
         return self.model.cfg
 
     def compile(self) -> bool:
-        """Compile the decoder layers (`LlamaModel.compile_layers`); True once they run compiled.
-        oneDNN's prepacked weights (bf16 mode) are not graph constants to inductor: those stay eager."""
-        self.compiled = self.weights != "bf16" and self.model.compile_layers()
-        return self.compiled
+        """Compile the decoder layers ahead of time (`tide.models.aot`); True once they run compiled.
+        oneDNN's prepacked weights (bf16 mode) are not graph constants to inductor: those stay eager,
+        as do the layers where compiling fails (no C++ compiler)."""
+        if self.weights == "bf16":
+            return False
+        try:
+            stack = compile_stack(self.model)
+        except Exception as e:  # torch raises its own types from the compiler's toolchain
+            log.warning("compiling the decoder layers failed (%s): the target runs eagerly", e)
+            return False
+        # one assignment, taken up by the next forward pass: until then (a node compiling in the
+        # background) every pass runs the eager layers
+        self.model.compiled = stack
+        self.compiled = True
+        return True
 
     def compile_in_background(self) -> threading.Thread:
         """The same on a thread of its own: a serving node answers (eagerly) while it compiles, and
@@ -334,7 +346,7 @@ def load_target(
 ) -> Target:
     """Load, fingerprint and (for inference) prepack a target: activations in `dtype` or the machine's
     native one, linears as `weights` says (`tide.models.weights`), layers compiled if asked
-    (`LlamaModel.compile_layers`); `pack=False` keeps plain nn.Linear layers. The fingerprint is the
+    (`Target.compile`); `pack=False` keeps plain nn.Linear layers. The fingerprint is the
     file's, whatever the mode: a draft serves every mode of its target."""
     p, cfg, tensors, tokenizer, fp = read_target(path)
     model = build_model(cfg, tensors).to(dtype or native_dtype())
