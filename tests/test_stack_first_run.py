@@ -19,7 +19,7 @@ from tide.registry.tags import VersionTags
 from .conftest import tide_process
 
 # what the machine builds or fetches once, shared with the fresh cache; drafts and state are not
-SHARED = ("kafka", "versitygw", "tools", "targets", "tokenizers")
+SHARED = ("kafka", "versitygw", "tools", "targets", "tokenizers", "compiled")
 
 
 def _fresh_cache(tmp_path: Path) -> Path:

@@ -132,3 +132,37 @@ def test_greedy_speculation_is_lossless_in_each_weight_mode(mode: str, compiled:
         engine = Engine(target, draft, EngineConfig(max_batch=batch, max_model_len=64, gamma=gamma))
         assert [s.output for s in engine.generate(prompts, params)] == ref, (batch, gamma)
         assert engine.stats.accepted.sum() > 0
+
+
+def test_compiled_layers_match_the_eager_layers_in_each_shape_class() -> None:
+    """The packages compiled ahead of time (`tide.models.aot`) give the eager layers' outputs and
+    cache writes for decode, verify and prefill at batch 1 and 2; a pass with a single key, which
+    no package covers, is left to the eager layers."""
+    from tide.models.llama import Batch
+
+    target = tiny_target(seed=5, scale=2.0)
+    target.weights = quantize_linears(target.model, "int4")
+    assert target.compile()
+    model, compiled = target.model, target.model.compiled
+    assert compiled is not None
+    g = torch.Generator().manual_seed(1)
+    for b, t, start in ((1, 1, 7), (1, 4, 7), (2, 1, 9), (2, 3, 9), (1, 12, 0)):
+        caches = [model.new_cache(3, 40) for _ in range(2)]
+        for c in caches[1:]:
+            c.k.copy_(caches[0].k.normal_(generator=g))
+            c.v.copy_(caches[0].v.normal_(generator=g))
+        pos = (start + torch.arange(t)).repeat(b, 1)
+        batch = Batch.make(1, pos, None, 40)
+        x = torch.randn(b, t, model.cfg.hidden_size, generator=g)
+        with torch.inference_mode():  # as the engine calls them
+            eager = model.stack(x, pos, batch.write_positions, batch.mask, *caches[0].rows(1, b))
+            got = compiled(x, pos, batch.write_positions, batch.mask, *caches[1].rows(1, b))
+        assert got is not None, (b, t)
+        torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-4, atol=1e-4)
+    first = Batch.make(0, torch.zeros(1, 1, dtype=torch.long), None, 40)
+    ks, vs = model.new_cache(1, 40).rows(0, 1)
+    x = torch.randn(1, 1, model.cfg.hidden_size)
+    with torch.inference_mode():
+        assert compiled(x, first.positions, first.write_positions, first.mask, ks, vs) is None

@@ -5,7 +5,7 @@ between layers, which cost a quarter of a 4-bit decode step when the layers ran 
 `torch.compile` (`docs/experiments.md`). Export specializes sizes of 1, so each shape class is a
 package of its own: one row or more, one token or more (decode, verify and prefill at batch 1 and
 above); keys and cache capacity are dynamic. A pass outside every class (a first token with no
-keys before it) runs the same layers eagerly.
+keys before it, or a cache past `_LIMIT` positions) runs the same layers eagerly.
 
 The weights are compiled into the packages, so they are kept per weight content under
 `cache_dir()/compiled`: the first compile of a target takes minutes, later loads seconds.
@@ -53,7 +53,7 @@ class CompiledStack:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         b, t = positions.shape
         run = self.runners.get((b > 1, t > 1))
-        if run is None or mask.shape[-1] < 2:
+        if run is None or not 2 <= mask.shape[-1] < _LIMIT or ks[0].shape[2] > _LIMIT:
             return None
         x, aux = run(x, positions, write_positions, mask, ks, vs)
         return x, aux

@@ -140,7 +140,12 @@ class KVCache:
         """Each layer's keys and values of the slots [slot0, slot0 + count): views, made once per span."""
         if (slot0, count) not in self._rows:
             end = slot0 + count
-            self._rows[slot0, count] = ([k[slot0:end] for k in self.k], [v[slot0:end] for v in self.v])
+            # indexed, not iterated: iterating makes views autograd will not let be written in place
+            layers = range(self.k.shape[0])
+            self._rows[slot0, count] = (
+                [self.k[i, slot0:end] for i in layers],
+                [self.v[i, slot0:end] for i in layers],
+            )
         return self._rows[slot0, count]
 
 
