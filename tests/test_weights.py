@@ -8,6 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from tide.cli import app
+from tide.models.aot import package_key
 from tide.models.loader import default_model_path, read_target
 from tide.models.weights import (
     GGUFBlockError,
@@ -166,3 +167,19 @@ def test_compiled_layers_match_the_eager_layers_in_each_shape_class() -> None:
     x = torch.randn(1, 1, model.cfg.hidden_size)
     with torch.inference_mode():
         assert compiled(x, first.positions, first.write_positions, first.mask, ks, vs) is None
+
+
+def test_a_damaged_compiled_package_is_built_again() -> None:
+    """A package cut short or overwritten in the cache is compiled again on the next load, and the
+    layers run compiled, not eagerly on every start."""
+    from tide.config import cache_dir
+
+    target = tiny_target(seed=5, scale=2.0)
+    target.weights = quantize_linears(target.model, "int4")
+    assert target.compile()
+    (damaged,) = (cache_dir() / "compiled").glob(f"{package_key(target.model.stack)}/rows1-tokens1.pt2")
+    damaged.write_bytes(b"not a package")
+    again = tiny_target(seed=5, scale=2.0)
+    again.weights = quantize_linears(again.model, "int4")
+    assert again.compile()
+    assert damaged.stat().st_size > 1000

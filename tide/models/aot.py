@@ -114,8 +114,13 @@ def compile_stack(model: LlamaModel) -> CompiledStack:
     runners: dict[Shape, Callable[..., list[torch.Tensor]]] = {}
     for shape in SHAPES:
         path = folder / f"rows{'N' if shape[0] else '1'}-tokens{'N' if shape[1] else '1'}.pt2"
-        if not path.exists():
-            _build(model, shape, path)
+        if path.exists():
+            try:
+                runners[shape] = torch._inductor.aoti_load_package(str(path))
+                continue
+            except Exception as e:  # a damaged file: built again rather than eager on every start
+                log.warning("compiled package %s unreadable (%s): compiling it again", path, e)
+        _build(model, shape, path)
         runners[shape] = torch._inductor.aoti_load_package(str(path))
     log.info("decoder layers compiled ahead of time: %s (%.0f s)", folder.name, time.perf_counter() - start)
     return CompiledStack(runners)
