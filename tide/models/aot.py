@@ -8,7 +8,7 @@ above); keys and cache capacity are dynamic. A pass outside every class (a first
 keys before it, or a cache past `_LIMIT` positions) runs the same layers eagerly.
 
 The weights are compiled into the packages, so they are kept per weight content under
-`cache_dir()/compiled`: the first compile of a target takes minutes, later loads seconds.
+`cache_dir()/compiled`: the first compile of a target takes minutes, later loads under a second.
 Each layer's cache rows are an input of their own, written in place: a view into one cache for all
 layers would be copied whole on every call.
 """
