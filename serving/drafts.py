@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tide.models.eagle3 import DraftKV, Eagle3Draft
+from tide.models.eagle3 import DraftKV, DraftLayerCall, Eagle3Draft
 from tide.models.packing import pack_linears
 
 log = logging.getLogger("tide.serving")
@@ -74,8 +74,17 @@ class DraftSlot:
 class DraftSet(Mapping[str, DraftSlot]):
     """The drafts serving now, by workload (a read-only mapping), and the swaps due."""
 
-    def __init__(self, max_batch: int, capacity: int, dtype: torch.dtype, max_gamma: int, max_failures: int):
+    def __init__(
+        self,
+        max_batch: int,
+        capacity: int,
+        dtype: torch.dtype,
+        max_gamma: int,
+        max_failures: int,
+        layer: DraftLayerCall | None = None,
+    ):
         self.max_batch, self.capacity, self.dtype = max_batch, capacity, dtype
+        self.layer = layer  # the draft layer compiled ahead of time, given to every draft served
         self.max_gamma, self.max_failures = max_gamma, max_failures
         self.slots: dict[str, DraftSlot] = {}  # by workload; "default" serves workloads without one
         self._pending: dict[str, DraftSlot | None] = {}  # drafts to take over at the next step
@@ -125,6 +134,7 @@ class DraftSet(Mapping[str, DraftSlot]):
     # -- swaps ---------------------------------------------------------------------------------------
     def new_slot(self, draft: Eagle3Draft, expected: dict[int, float] | None) -> DraftSlot:
         cache = draft.new_cache(self.max_batch, self.capacity, self.dtype)
+        draft.compiled = self.layer
         return DraftSlot(draft, cache, draft.target_ids(), DraftStats(self.max_gamma), expected)
 
     def set(self, draft: Eagle3Draft | None, workload: str, expected: dict[int, float] | None) -> None:

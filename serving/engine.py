@@ -106,7 +106,12 @@ class Engine:
         self.eos = set(self.model.cfg.eos_token_ids)
         self.batch = BatchState(self.model, cfg.max_batch, cfg.max_model_len, cfg.max_gamma)
         self.drafts = DraftSet(
-            cfg.max_batch, self.batch.capacity, self.dtype, cfg.max_gamma, cfg.draft_failures
+            cfg.max_batch,
+            self.batch.capacity,
+            self.dtype,
+            cfg.max_gamma,
+            cfg.draft_failures,
+            target.draft_layer,
         )
         self.speculator = Speculator(self.batch, self.drafts, self.model.cfg.vocab_size)
         self.suffix = SuffixProposer(cfg.suffix) if cfg.proposer != "draft" else None

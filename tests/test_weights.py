@@ -169,6 +169,74 @@ def test_compiled_layers_match_the_eager_layers_in_each_shape_class() -> None:
         assert compiled(x, first.positions, first.write_positions, first.mask, ks, vs) is None
 
 
+def test_the_compiled_draft_layer_matches_the_eager_layer_for_any_draft() -> None:
+    """The draft layer compiled with the target (`CompiledDraftLayer`) takes the draft's tensors as
+    an input: two drafts of different weights each get the eager layer's output and cache writes in
+    every shape class; a draft of another dtype, which no package fits, is left to the eager layer."""
+    from tide.models.eagle3 import DraftConfig, Eagle3Draft
+    from tide.models.llama import Batch
+
+    target = tiny_target(seed=5, scale=2.0)
+    target.weights = quantize_linears(target.model, "int4")
+    assert target.compile()
+    layer, cfg = target.draft_layer, target.model.cfg
+    assert layer.runners
+    g = torch.Generator().manual_seed(2)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        draft = Eagle3Draft(DraftConfig.for_target(cfg, target.fingerprint, 64), target.model.embed_tokens)
+        for b, t, start in ((1, 1, 7), (1, 4, 7), (2, 1, 9), (2, 3, 9)):
+            caches = [draft.new_cache(3, 40, torch.float32) for _ in range(2)]
+            for c in caches:
+                c.k.copy_(torch.randn(c.k.shape, generator=g) if c is caches[0] else caches[0].k)
+                c.v.copy_(torch.randn(c.v.shape, generator=g) if c is caches[0] else caches[0].v)
+            pos = (start + torch.arange(t)).repeat(b, 1)
+            batch = Batch.make(0, pos, None, 40)
+            hidden, emb = torch.randn(2, b, t, cfg.hidden_size, generator=g)
+            args = (hidden, emb, pos, batch.write_positions, batch.mask)
+            with torch.inference_mode():
+                eager = draft.layer(*args, caches[0].k[1 : 1 + b], caches[0].v[1 : 1 + b])
+                got = layer(draft.layer_state, *args, caches[1].k[1 : 1 + b], caches[1].v[1 : 1 + b])
+            assert got is not None, (seed, b, t)
+            torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-4, atol=1e-4)
+    other = Eagle3Draft(draft.cfg, target.model.embed_tokens).to(torch.bfloat16)
+    cache = other.new_cache(1, 40, torch.bfloat16)
+    batch = Batch.make(0, torch.tensor([[7]]), None, 40)
+    x = torch.randn(1, 1, cfg.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        state = other.layer_state
+        assert (
+            layer(state, x, x, batch.positions, batch.write_positions, batch.mask, cache.k, cache.v) is None
+        )
+
+
+def test_loaded_packages_leave_nothing_in_tmp() -> None:
+    """torch unpacks each package into a temporary folder it removes only at a clean exit (a killed
+    node left 280 MB per set): the loader removes this process's folders once the libraries are
+    mapped, and the layers still run."""
+    import re
+    from pathlib import Path
+
+    from tide.models.llama import Batch
+
+    target = tiny_target(seed=5, scale=2.0)
+    target.weights = quantize_linears(target.model, "int4")
+    assert target.compile() and target.draft_layer.runners
+    mapped = set(re.findall(r"(/\S*/aotinductor_[^/\s]+)/", Path("/proc/self/maps").read_text()))
+    assert mapped, "no package library is mapped from a temporary folder"
+    assert not [f for f in mapped if Path(f).exists()]
+    batch = Batch.make(0, torch.tensor([[3]]), None, 8)
+    ks, vs = target.model.new_cache(1, 8).rows(0, 1)
+    x = torch.randn(1, 1, target.model.cfg.hidden_size)
+    with torch.inference_mode():
+        assert target.model.compiled is not None
+        assert (
+            target.model.compiled(x, batch.positions, batch.write_positions, batch.mask, ks, vs) is not None
+        )
+
+
 def test_a_damaged_compiled_package_is_built_again() -> None:
     """A package cut short or overwritten in the cache is compiled again on the next load, and the
     layers run compiled, not eagerly on every start."""

@@ -19,6 +19,8 @@ import copy
 import hashlib
 import logging
 import os
+import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from tide.config import cache_dir
+from tide.models.eagle3 import DraftConfig, Eagle3Draft
 from tide.models.llama import Batch, DecoderStack, LlamaModel
 
 log = logging.getLogger(__name__)
@@ -33,7 +36,9 @@ log = logging.getLogger(__name__)
 Shape = tuple[bool, bool]  # (more than one row, more than one token)
 SHAPES: tuple[Shape, ...] = ((False, False), (False, True), (True, False), (True, True))
 _LIMIT = 1 << 16  # the largest batch, run length and cache capacity the packages take
-_SOURCES = ("llama.py", "weights.py", "aot.py")  # the code a package is compiled from
+# the code a package is compiled from
+_STACK_SOURCES = ("llama.py", "weights.py", "aot.py")
+_DRAFT_SOURCES = ("llama.py", "eagle3.py", "aot.py")
 
 
 class CompiledStack:
@@ -59,68 +64,179 @@ class CompiledStack:
         return x, aux
 
 
+class CompiledDraftLayer:
+    """`DraftLayer`'s call through the packages compiled for one draft architecture, empty until
+    `load`; None where no package covers the shape or the draft is of another architecture. The
+    draft's tensors are an input, so a new draft version runs compiled from its first step."""
+
+    def __init__(self) -> None:
+        self.arch: tuple[object, ...] = ()
+        self.runners: dict[Shape, Callable[..., torch.Tensor]] = {}
+        self._checked: tuple[dict[str, torch.Tensor] | None, bool] = (None, False)  # last state seen
+
+    def load(self, cfg: DraftConfig, embed: torch.nn.Embedding, dtype: torch.dtype) -> None:
+        """Load the packages of this architecture in `dtype`, compiling the missing ones first:
+        traced on an untrained draft, as the weights are an input (raises what the toolchain raises)."""
+        template = Eagle3Draft(cfg, embed).to(dtype).eval()
+        arch = draft_arch(dtype, template.layer_state)
+        h = _code_hash(_DRAFT_SOURCES)
+        h.update(repr((arch, cfg.rms_eps)).encode())  # the norms' epsilon is compiled in
+
+        def build(shape: Shape, path: Path) -> None:
+            _build(_Stateless(template.layer), _draft_example(template, shape), path)
+
+        runners = _packages(cache_dir() / "compiled" / f"draft-{h.hexdigest()[:20]}", build)
+        self.arch = arch
+        self.runners = runners  # type: ignore[assignment]  # last: a reader sees none or all
+
+    def __call__(
+        self,
+        state: dict[str, torch.Tensor],
+        hidden: torch.Tensor,
+        emb: torch.Tensor,
+        positions: torch.Tensor,
+        write_positions: torch.Tensor,
+        mask: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor | None:
+        b, t = positions.shape
+        run = self.runners.get((b > 1, t > 1))
+        if run is None or not 2 <= mask.shape[-1] < _LIMIT or k.shape[2] > _LIMIT:
+            return None
+        if self._checked[0] is not state:  # once per draft, not per call
+            self._checked = (state, draft_arch(hidden.dtype, state) == self.arch)
+        if not self._checked[1]:
+            return None
+        return run(state, (hidden, emb, positions, write_positions, mask, k, v))
+
+
+class _Stateless(torch.nn.Module):
+    """A module's call with its tensors as an input (`torch.func.functional_call`)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self._module = [module]  # not a submodule: its tensors must not be baked into the package
+
+    def forward(self, state: dict[str, torch.Tensor], args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.func.functional_call(self._module[0], state, args)
+
+
+def draft_arch(dtype: torch.dtype, state: dict[str, torch.Tensor]) -> tuple[object, ...]:
+    """What a compiled draft layer fits: the dtype, and each tensor's name, dtype and shape."""
+    return (dtype, *((k, t.dtype, tuple(t.shape)) for k, t in sorted(state.items())))
+
+
 def package_key(stack: DecoderStack) -> str:
     """What a package depends on: the weights' bytes and dtypes, the code, torch and the CPU's kernels."""
-    h = hashlib.sha256()
-    h.update(f"{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}".encode())
-    for name in _SOURCES:
-        h.update((Path(__file__).parent / name).read_bytes())
+    h = _code_hash(_STACK_SOURCES)
     for name, t in sorted(stack.state_dict().items()):
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:20]
 
 
-def _example(model: LlamaModel, shape: Shape) -> tuple[tuple[object, ...], tuple[object, ...]]:
-    """Inputs to trace with, and which of their sizes are dynamic."""
+def _code_hash(sources: tuple[str, ...]) -> hashlib._Hash:
+    h = hashlib.sha256()
+    h.update(f"{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}".encode())
+    for name in sources:
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h
+
+
+def _dims(shape: Shape) -> tuple[object, object, object, object]:
+    """Rows, tokens (None where the class fixes them to 1), keys and cache capacity."""
     many, tokens = shape
-    b, t, capacity = (2 if many else 1), (3 if tokens else 1), 32
-    cache = model.new_cache(b, capacity)
-    positions = (5 + torch.arange(t)).repeat(b, 1)
-    batch = Batch.make(0, positions, None, capacity)
-    x = torch.zeros(b, t, model.cfg.hidden_size, dtype=model.dtype)
-    ks, vs = cache.rows(0, b)
-    args = (x, positions, batch.write_positions, batch.mask, ks, vs)
     dim = torch.export.Dim
     rows = dim("rows", min=2, max=_LIMIT) if many else None
     run = dim("tokens", min=2, max=_LIMIT) if tokens else None
-    keys, cap = dim("keys", min=2, max=_LIMIT - 1), dim("capacity", min=4, max=_LIMIT)
-
-    def only(sizes: dict[int, object]) -> dict[int, object]:
-        return {i: d for i, d in sizes.items() if d is not None}
-
-    layer = [only({0: rows, 2: cap})] * model.cfg.num_layers
-    dynamic = (only({0: rows, 1: run}),) * 3 + (only({0: rows, 2: run, 3: keys}), layer, layer)
-    return args, dynamic
+    return rows, run, dim("keys", min=2, max=_LIMIT - 1), dim("capacity", min=4, max=_LIMIT)
 
 
-def _build(model: LlamaModel, shape: Shape, path: Path) -> None:
-    args, dynamic = _example(model, shape)
+def _only(sizes: dict[int, object]) -> dict[int, object]:
+    return {i: d for i, d in sizes.items() if d is not None}
+
+
+def _example_batch(shape: Shape, capacity: int) -> tuple[int, int, Batch]:
+    b, t = (2 if shape[0] else 1), (3 if shape[1] else 1)
+    positions = (5 + torch.arange(t)).repeat(b, 1)
+    return b, t, Batch.make(0, positions, None, capacity)
+
+
+def _example(model: LlamaModel, shape: Shape) -> tuple[tuple[object, ...], tuple[object, ...]]:
+    """Inputs to trace the stack with, and which of their sizes are dynamic."""
+    b, t, batch = _example_batch(shape, 32)
+    ks, vs = model.new_cache(b, 32).rows(0, b)
+    x = torch.zeros(b, t, model.cfg.hidden_size, dtype=model.dtype)
+    rows, run, keys, cap = _dims(shape)
+    layer = [_only({0: rows, 2: cap})] * model.cfg.num_layers
+    dynamic = (_only({0: rows, 1: run}),) * 3 + (_only({0: rows, 2: run, 3: keys}), layer, layer)
+    return (x, batch.positions, batch.write_positions, batch.mask, ks, vs), dynamic
+
+
+def _draft_example(draft: Eagle3Draft, shape: Shape) -> tuple[tuple[object, ...], tuple[object, ...]]:
+    """Inputs to trace a draft layer with (its state, then `DraftLayer`'s arguments), and their dynamic sizes."""
+    b, t, batch = _example_batch(shape, 32)
+    dtype = draft.fc.weight.dtype
+    cache = draft.new_cache(b, 32, dtype)
+    x = torch.zeros(b, t, draft.cfg.hidden_size, dtype=dtype)
+    rows, run, keys, cap = _dims(shape)
+    kv = _only({0: rows, 2: cap})
+    args = (x, x.clone(), batch.positions, batch.write_positions, batch.mask, cache.k, cache.v)
+    dynamic = (_only({0: rows, 1: run}),) * 4 + (_only({0: rows, 2: run, 3: keys}), kv, kv)
+    state = draft.layer_state
+    return (state, args), ({k: None for k in state}, dynamic)
+
+
+def _build(
+    module: torch.nn.Module, example: tuple[tuple[object, ...], tuple[object, ...]], path: Path
+) -> None:
+    args, dynamic = example
     with torch.no_grad():
-        # a copy: export swaps a module's weights for traced ones while it runs, and a serving node
-        # compiling in the background runs the model's own layers meanwhile
-        stack = copy.deepcopy(model.stack)
-        program = torch.export.export(stack, args, dynamic_shapes=dynamic, strict=False)
+        program = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
         partial = path.with_suffix(f".{os.getpid()}.partial.pt2")
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
     os.replace(partial, path)  # whole or absent: another process may be building the same package
 
 
-def compile_stack(model: LlamaModel) -> CompiledStack:
-    """Load the model's packages, compiling the missing ones first (raises what the toolchain raises)."""
-    folder = cache_dir() / "compiled" / package_key(model.stack)
+def _packages(folder: Path, build: Callable[[Shape, Path], None]) -> dict[Shape, Callable[..., object]]:
+    """Load a package for each shape class from `folder`, building the missing or damaged ones."""
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    runners: dict[Shape, Callable[..., list[torch.Tensor]]] = {}
+    runners: dict[Shape, Callable[..., object]] = {}
     for shape in SHAPES:
         path = folder / f"rows{'N' if shape[0] else '1'}-tokens{'N' if shape[1] else '1'}.pt2"
         if path.exists():
             try:
-                runners[shape] = torch._inductor.aoti_load_package(str(path))
+                runners[shape] = _load(path)
                 continue
             except Exception as e:  # a damaged file: built again rather than eager on every start
                 log.warning("compiled package %s unreadable (%s): compiling it again", path, e)
-        _build(model, shape, path)
-        runners[shape] = torch._inductor.aoti_load_package(str(path))
-    log.info("decoder layers compiled ahead of time: %s (%.0f s)", folder.name, time.perf_counter() - start)
-    return CompiledStack(runners)
+        build(shape, path)
+        runners[shape] = _load(path)
+    log.info("compiled ahead of time: %s (%.0f s)", folder.name, time.perf_counter() - start)
+    return runners
+
+
+def _load(path: Path) -> Callable[..., object]:
+    """Load a package. torch unpacks it into a temporary folder it removes only at a clean exit; once
+    the library is mapped the folder is not needed, so it goes now: a killed process leaves nothing."""
+    runner = torch._inductor.aoti_load_package(str(path))
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux: left to torch
+        return runner
+    for folder in set(re.findall(r"(/\S*/aotinductor_[^/\s]+)/", maps)):
+        shutil.rmtree(folder, ignore_errors=True)
+    return runner
+
+
+def compile_stack(model: LlamaModel) -> CompiledStack:
+    """Load the model's packages, compiling the missing ones first (raises what the toolchain raises)."""
+
+    def build(shape: Shape, path: Path) -> None:
+        # a copy: export swaps a module's weights for traced ones while it runs, and a serving node
+        # compiling in the background runs the model's own layers meanwhile
+        _build(copy.deepcopy(model.stack), _example(model, shape), path)
+
+    return CompiledStack(_packages(cache_dir() / "compiled" / package_key(model.stack), build))  # type: ignore[arg-type]

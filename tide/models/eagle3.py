@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,49 @@ class MidLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DraftLayer(nn.Module):
+    """The draft's decoder layer on plain tensors (the cache rows of slots [0, B)): the signature
+    `tide.models.aot` exports; the eager path runs the same code."""
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.midlayer, self.rope = draft.midlayer, draft.rope
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        emb: torch.Tensor,
+        positions: torch.Tensor,
+        write_positions: torch.Tensor,
+        mask: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.run(
+            hidden, emb, Batch(0, positions, write_positions, mask, mask.shape[-1]), k_cache, v_cache
+        )
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        emb: torch.Tensor,
+        batch: Batch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        layer = self.midlayer
+        x = layer.attn_input(emb, hidden)
+        rope = self.rope(batch.positions, x.dtype)
+        q, k, v = layer.self_attn.qkv(x, rope)
+        keys = write_kv(k_cache, batch, k)
+        values = write_kv(v_cache, batch, v)
+        return layer.finish(hidden, attend(q.transpose(1, 2), keys, values, batch))
+
+
+# (layer state, hidden, emb, positions, write_positions, mask, k rows, v rows) -> output, or None
+DraftLayerCall = Callable[..., torch.Tensor | None]
+
+
 @dataclass
 class DraftKV:
     """The draft layer's cache: (slots, kv_heads, capacity, hd)."""
@@ -190,6 +234,11 @@ class Eagle3Draft(nn.Module):
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
         # the target's embedding, shared and frozen: kept out of state_dict()
         self._embed = [embed]
+        self._layer: list[DraftLayer] = []  # plain lists: not submodules, not in state_dict()
+        self._layer_state: dict[str, torch.Tensor] = {}
+        # the layer compiled ahead of time for this draft's architecture (`tide.models.aot`), set by
+        # whoever serves the draft: None for a shape it does not cover
+        self.compiled: DraftLayerCall | None = None
 
     @property
     def embed(self) -> nn.Embedding:
@@ -218,13 +267,28 @@ class Eagle3Draft(nn.Module):
         self, hidden: torch.Tensor, tokens: torch.Tensor, batch: Batch, cache: DraftKV
     ) -> torch.Tensor:
         """hidden (B, T, d): fc(aux) or the previous step's output; tokens (B, T): the next tokens."""
-        layer = self.midlayer
-        x = layer.attn_input(self.embed(tokens).to(hidden.dtype), hidden)
-        rope = self.rope(batch.positions, x.dtype)
-        q, k, v = layer.self_attn.qkv(x, rope)
-        keys = write_kv(cache.k, batch, k)
-        values = write_kv(cache.v, batch, v)
-        return layer.finish(hidden, attend(q.transpose(1, 2), keys, values, batch))
+        emb = self.embed(tokens).to(hidden.dtype)
+        if batch.slots is not None:  # rows gathered from anywhere in the cache: eager
+            return self.layer.run(hidden, emb, batch, cache.k, cache.v)
+        rows = slice(batch.slot0, batch.slot0 + hidden.shape[0])
+        args = (hidden, emb, batch.positions, batch.write_positions, batch.mask, cache.k[rows], cache.v[rows])
+        out = self.compiled(self.layer_state, *args) if self.compiled is not None else None
+        return out if out is not None else self.layer(*args)
+
+    @property
+    def layer(self) -> DraftLayer:
+        if not self._layer:
+            self._layer.append(DraftLayer(self))
+        return self._layer[0]
+
+    @property
+    def layer_state(self) -> dict[str, torch.Tensor]:
+        """The tensors `DraftLayer` reads, by its names: a compiled layer takes them as an input, so
+        one package serves every draft of an architecture. Made on first use (after `.to(dtype)`)."""
+        if not self._layer_state:
+            self._layer_state.update(self.layer.named_parameters())
+            self._layer_state.update(self.layer.named_buffers())
+        return self._layer_state
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out)).float()

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from tide.config import cache_dir, file_cache_key, native_dtype
-from tide.models.aot import compile_stack
+from tide.models.aot import CompiledDraftLayer, compile_stack
+from tide.models.eagle3 import DraftConfig
 from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.packing import pack_linears
 from tide.models.tokenizer import Tokenizer
@@ -54,15 +55,18 @@ class Target:
     path: Path
     weights: str = "bf16"  # how its linears hold their weights (`tide.models.weights`)
     compiled: bool = False  # its decoder layers run compiled ahead of time (`tide.models.aot`)
+    # its drafts' layer compiled the same way: empty until `compile`; drafts served hold it
+    draft_layer: CompiledDraftLayer = field(default_factory=CompiledDraftLayer)
 
     @property
     def config(self) -> LlamaConfig:
         return self.model.cfg
 
     def compile(self) -> bool:
-        """Compile the decoder layers ahead of time (`tide.models.aot`); True once they run compiled.
-        oneDNN's prepacked weights (bf16 mode) are not graph constants to inductor: those stay eager,
-        as do the layers where compiling fails (no C++ compiler)."""
+        """Compile the decoder layers, and the layer of its drafts, ahead of time (`tide.models.aot`);
+        True once the target's run compiled. oneDNN's prepacked weights (bf16 mode) are not graph
+        constants to inductor: those stay eager, as do the layers where compiling fails (no C++
+        compiler)."""
         if self.weights == "bf16":
             return False
         try:
@@ -74,6 +78,12 @@ class Target:
         # background) every pass runs the eager layers
         self.model.compiled = stack
         self.compiled = True
+        try:
+            # the layer alone: a draft's vocabulary does not change it
+            cfg = DraftConfig.for_target(self.config, self.fingerprint, draft_vocab_size=2)
+            self.draft_layer.load(cfg, self.model.embed_tokens, self.model.dtype)
+        except Exception as e:
+            log.warning("compiling the draft layer failed (%s): drafts run eagerly", e)
         return True
 
     def compile_in_background(self) -> threading.Thread:
