@@ -187,9 +187,10 @@ def test_the_compiled_draft_layer_matches_the_eager_layer_for_any_draft() -> Non
         draft = Eagle3Draft(DraftConfig.for_target(cfg, target.fingerprint, 64), target.model.embed_tokens)
         for b, t, start in ((1, 1, 7), (1, 4, 7), (2, 1, 9), (2, 3, 9)):
             caches = [draft.new_cache(3, 40, torch.float32) for _ in range(2)]
-            for c in caches:
-                c.k.copy_(torch.randn(c.k.shape, generator=g) if c is caches[0] else caches[0].k)
-                c.v.copy_(torch.randn(c.v.shape, generator=g) if c is caches[0] else caches[0].v)
+            caches[0].k.normal_(generator=g)
+            caches[0].v.normal_(generator=g)
+            caches[1].k.copy_(caches[0].k)
+            caches[1].v.copy_(caches[0].v)
             pos = (start + torch.arange(t)).repeat(b, 1)
             batch = Batch.make(0, pos, None, 40)
             hidden, emb = torch.randn(2, b, t, cfg.hidden_size, generator=g)

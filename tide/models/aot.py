@@ -24,6 +24,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,12 +57,23 @@ class CompiledStack:
         ks: list[torch.Tensor],
         vs: list[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        b, t = positions.shape
-        run = self.runners.get((b > 1, t > 1))
-        if run is None or not 2 <= mask.shape[-1] < _LIMIT or ks[0].shape[2] > _LIMIT:
+        run = _runner(self.runners, positions, mask, ks[0])
+        if run is None:
             return None
         x, aux = run(x, positions, write_positions, mask, ks, vs)
         return x, aux
+
+
+def _runner(
+    runners: dict[Shape, Callable[..., Any]], positions: torch.Tensor, mask: torch.Tensor, cache: torch.Tensor
+) -> Callable[..., Any] | None:
+    """The package for a pass's shape class; None for a pass no package covers (a single key, or
+    sizes past `_LIMIT`)."""
+    b, t = positions.shape
+    run = runners.get((b > 1, t > 1))
+    if run is None or not 2 <= mask.shape[-1] < _LIMIT or cache.shape[2] > _LIMIT:
+        return None
+    return run
 
 
 class CompiledDraftLayer:
@@ -100,9 +112,8 @@ class CompiledDraftLayer:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> torch.Tensor | None:
-        b, t = positions.shape
-        run = self.runners.get((b > 1, t > 1))
-        if run is None or not 2 <= mask.shape[-1] < _LIMIT or k.shape[2] > _LIMIT:
+        run = _runner(self.runners, positions, mask, k)
+        if run is None:
             return None
         if self._checked[0] is not state:  # once per draft, not per call
             self._checked = (state, draft_arch(hidden.dtype, state) == self.arch)
