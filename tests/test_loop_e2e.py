@@ -93,19 +93,19 @@ def promoted(client: MlflowClient, workload: str) -> list[ModelVersion]:
     )
 
 
-def improved_serves(url: str, client: MlflowClient, workload: str, factor: float = 1.15) -> bool:
-    """The node serves (swapped in, not just promoted) a French draft the gate scored `factor` times
-    the code draft the first promotion had to beat (a promotion only a few percent better, which the
-    first ones after a few dozen steps can be, is too close to measure on eight prompts: one scored
-    1.20x measured +0.10 tokens/step)."""
+def improved_serves(url: str, client: MlflowClient, workload: str, gamma: int = 3, gain: float = 0.1) -> bool:
+    """The node serves (swapped in, not just promoted) a French draft whose held-out tau at the serving
+    gamma the gate measured `gain` tokens/step above the code draft's, which the first promotion had to
+    beat: the unit the test asserts in, with twice its margin. (The gate's score is the best predicted
+    speedup over gamma; one CI run stopped at a draft scored 1.12x, mostly from gamma 1, that measured
+    only +0.04 tokens/step at gamma 3.)"""
     served = drafts(url).get(workload)
     ups = promoted(client, workload)
     if served is None or not ups:
         return False
-    code = float(ups[0].tags["gate.baseline.score"])
-    return any(
-        v.tags["draft_version"] == served and float(v.tags["gate.score"]) >= factor * code for v in ups
-    )
+    key = f"tau_gamma{gamma}"
+    code = float(ups[0].tags[f"gate.baseline.{key}"])
+    return any(v.tags["draft_version"] == served and float(v.tags[f"gate.{key}"]) >= code + gain for v in ups)
 
 
 def wait_up(proc: subprocess.Popen[bytes], log: Path) -> float:
@@ -138,7 +138,7 @@ def learn(
                 if sending.done():
                     sending.result()  # its error
                 assert time.monotonic() < deadline, (
-                    f"no French draft 15% better than the code draft after {sent[0]} requests:\n"
+                    f"no French draft 0.1 tokens/step better than the code draft after {sent[0]} requests:\n"
                     + log.read_text()[-2000:]
                     + (logs / "gate.log").read_text()[-2000:]
                 )
