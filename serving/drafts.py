@@ -19,6 +19,7 @@ import torch
 
 from tide.models.eagle3 import DraftKV, DraftLayerCall, Eagle3Draft
 from tide.models.packing import pack_linears
+from tide.models.weights import int4_draft
 
 log = logging.getLogger("tide.serving")
 
@@ -142,7 +143,7 @@ class DraftSet(Mapping[str, DraftSlot]):
         default, no speculation). `expected`: tau by gamma as the gate measured it, if known."""
         slot = None
         if draft is not None:
-            pack_linears(draft)  # the slow parts happen here, off the engine's thread
+            pack_linears(int4_draft(draft))  # the slow parts happen here, off the engine's thread
             slot = self.new_slot(draft, expected)
         with self._lock:
             self._pending[workload] = slot

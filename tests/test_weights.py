@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from tide.models.weights import (
     Int4Blocks,
     Int4Linear,
     Int8Linear,
+    int4_draft,
     quantize_linears,
     read_gguf_blocks,
 )
@@ -172,7 +175,8 @@ def test_compiled_layers_match_the_eager_layers_in_each_shape_class() -> None:
 def test_the_compiled_draft_layer_matches_the_eager_layer_for_any_draft() -> None:
     """The draft layer compiled with the target (`CompiledDraftLayer`) takes the draft's tensors as
     an input: two drafts of different weights each get the eager layer's output and cache writes in
-    every shape class; a draft of another dtype, which no package fits, is left to the eager layer."""
+    every shape class; a draft of another dtype or left dense, which no package fits, is left to the
+    eager layer."""
     from tide.models.eagle3 import DraftConfig, Eagle3Draft
     from tide.models.llama import Batch
 
@@ -184,7 +188,8 @@ def test_the_compiled_draft_layer_matches_the_eager_layer_for_any_draft() -> Non
     g = torch.Generator().manual_seed(2)
     for seed in (1, 2):
         torch.manual_seed(seed)
-        draft = Eagle3Draft(DraftConfig.for_target(cfg, target.fingerprint, 64), target.model.embed_tokens)
+        dense = Eagle3Draft(DraftConfig.for_target(cfg, target.fingerprint, 64), target.model.embed_tokens)
+        draft = int4_draft(copy.deepcopy(dense))  # as `DraftSet` serves it
         for b, t, start in ((1, 1, 7), (1, 4, 7), (2, 1, 9), (2, 3, 9)):
             caches = [draft.new_cache(3, 40, torch.float32) for _ in range(2)]
             caches[0].k.normal_(generator=g)
@@ -202,15 +207,16 @@ def test_the_compiled_draft_layer_matches_the_eager_layer_for_any_draft() -> Non
             torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-4, atol=1e-4)
-    other = Eagle3Draft(draft.cfg, target.model.embed_tokens).to(torch.bfloat16)
-    cache = other.new_cache(1, 40, torch.bfloat16)
     batch = Batch.make(0, torch.tensor([[7]]), None, 40)
-    x = torch.randn(1, 1, cfg.hidden_size).to(torch.bfloat16)
-    with torch.inference_mode():
-        state = other.layer_state
-        assert (
-            layer(state, x, x, batch.positions, batch.write_positions, batch.mask, cache.k, cache.v) is None
-        )
+    for other in (dense, int4_draft(Eagle3Draft(draft.cfg, target.model.embed_tokens).to(torch.bfloat16))):
+        cache = other.new_cache(1, 40, other.dtype)
+        x = torch.randn(1, 1, cfg.hidden_size).to(other.dtype)
+        with torch.inference_mode():
+            state = other.layer_state
+            assert (
+                layer(state, x, x, batch.positions, batch.write_positions, batch.mask, cache.k, cache.v)
+                is None
+            )
 
 
 def test_loaded_packages_leave_nothing_in_tmp() -> None:
@@ -252,3 +258,29 @@ def test_a_damaged_compiled_package_is_built_again() -> None:
     again.weights = quantize_linears(again.model, "int4")
     assert again.compile()
     assert damaged.stat().st_size > 1000
+
+
+def test_a_draft_in_int4_keeps_its_dense_predictions() -> None:
+    """`int4_draft` (how a node serves every draft) replaces each linear the kernel takes and leaves
+    the rest dense (a head of 8 rows: its packing wants outputs in 16s); the step's logits stay
+    close to the dense draft's, so acceptance moves little while a step reads a quarter of the bytes."""
+    from tide.models.eagle3 import DraftConfig, Eagle3Draft
+    from tide.models.llama import Batch
+
+    target = tiny_target(seed=5, scale=2.0)
+    cfg = target.model.cfg
+    for vocab, head in ((64, Int4Linear), (8, torch.nn.Linear)):
+        torch.manual_seed(vocab)
+        dense = Eagle3Draft(DraftConfig.for_target(cfg, target.fingerprint, vocab), target.model.embed_tokens)
+        draft = int4_draft(copy.deepcopy(dense))
+        assert isinstance(draft.fc, Int4Linear) and isinstance(draft.midlayer.mlp.down_proj, Int4Linear)
+        assert type(draft.lm_head) is head
+        pos = torch.arange(6).unsqueeze(0)
+        aux = torch.randn(1, 6, 3 * cfg.hidden_size)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 6))
+        with torch.no_grad():
+            out = [
+                d.logits(d(d.fc(aux), tokens, Batch.make(0, pos, None, 8), d.new_cache(1, 8, torch.float32)))
+                for d in (dense, draft)
+            ]
+        assert float((out[1] - out[0]).norm() / out[0].norm()) < 0.1

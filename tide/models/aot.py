@@ -24,28 +24,29 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from tide.config import cache_dir
 from tide.models.eagle3 import DraftConfig, Eagle3Draft
 from tide.models.llama import Batch, DecoderStack, LlamaModel
+from tide.models.weights import int4_draft
 
 log = logging.getLogger(__name__)
 
 Shape = tuple[bool, bool]  # (more than one row, more than one token)
+Package = Callable[[list[torch.Tensor]], list[torch.Tensor]]  # flat tensors in, flat tensors out
 SHAPES: tuple[Shape, ...] = ((False, False), (False, True), (True, False), (True, True))
 _LIMIT = 1 << 16  # the largest batch, run length and cache capacity the packages take
 # the code a package is compiled from
 _STACK_SOURCES = ("llama.py", "weights.py", "aot.py")
-_DRAFT_SOURCES = ("llama.py", "eagle3.py", "aot.py")
+_DRAFT_SOURCES = ("llama.py", "eagle3.py", "weights.py", "aot.py")
 
 
 class CompiledStack:
     """`DecoderStack`'s call through the compiled packages; None where no package covers the shape."""
 
-    def __init__(self, runners: dict[Shape, Callable[..., list[torch.Tensor]]]):
+    def __init__(self, runners: dict[Shape, Package]):
         self.runners = runners
 
     def __call__(
@@ -60,13 +61,13 @@ class CompiledStack:
         run = _runner(self.runners, positions, mask, ks[0])
         if run is None:
             return None
-        x, aux = run(x, positions, write_positions, mask, ks, vs)
+        x, aux = run([x, positions, write_positions, mask, *ks, *vs])
         return x, aux
 
 
 def _runner(
-    runners: dict[Shape, Callable[..., Any]], positions: torch.Tensor, mask: torch.Tensor, cache: torch.Tensor
-) -> Callable[..., Any] | None:
+    runners: dict[Shape, Package], positions: torch.Tensor, mask: torch.Tensor, cache: torch.Tensor
+) -> Package | None:
     """The package for a pass's shape class; None for a pass no package covers (a single key, or
     sizes past `_LIMIT`)."""
     b, t = positions.shape
@@ -83,13 +84,14 @@ class CompiledDraftLayer:
 
     def __init__(self) -> None:
         self.arch: tuple[object, ...] = ()
-        self.runners: dict[Shape, Callable[..., torch.Tensor]] = {}
+        self.names: list[str] = []  # the state's tensors in the packages' input order
+        self.runners: dict[Shape, Package] = {}
         self._checked: tuple[dict[str, torch.Tensor] | None, bool] = (None, False)  # last state seen
 
     def load(self, cfg: DraftConfig, embed: torch.nn.Embedding, dtype: torch.dtype) -> None:
         """Load the packages of this architecture in `dtype`, compiling the missing ones first:
         traced on an untrained draft, as the weights are an input (raises what the toolchain raises)."""
-        template = Eagle3Draft(cfg, embed).to(dtype).eval()
+        template = int4_draft(Eagle3Draft(cfg, embed).to(dtype).eval())  # as `DraftSet` serves it
         arch = draft_arch(dtype, template.layer_state)
         h = _code_hash(_DRAFT_SOURCES)
         h.update(repr((arch, cfg.rms_eps)).encode())  # the norms' epsilon is compiled in
@@ -98,8 +100,8 @@ class CompiledDraftLayer:
             _build(_Stateless(template.layer), _draft_example(template, shape), path)
 
         runners = _packages(cache_dir() / "compiled" / f"draft-{h.hexdigest()[:20]}", build)
-        self.arch = arch
-        self.runners = runners  # type: ignore[assignment]  # last: a reader sees none or all
+        self.arch, self.names = arch, list(template.layer_state)
+        self.runners = runners  # last: a reader sees none or all
 
     def __call__(
         self,
@@ -119,7 +121,7 @@ class CompiledDraftLayer:
             self._checked = (state, draft_arch(hidden.dtype, state) == self.arch)
         if not self._checked[1]:
             return None
-        return run(state, (hidden, emb, positions, write_positions, mask, k, v))
+        return run([*(state[n] for n in self.names), hidden, emb, positions, write_positions, mask, k, v])[0]
 
 
 class _Stateless(torch.nn.Module):
@@ -188,7 +190,7 @@ def _example(model: LlamaModel, shape: Shape) -> tuple[tuple[object, ...], tuple
 def _draft_example(draft: Eagle3Draft, shape: Shape) -> tuple[tuple[object, ...], tuple[object, ...]]:
     """Inputs to trace a draft layer with (its state, then `DraftLayer`'s arguments), and their dynamic sizes."""
     b, t, batch = _example_batch(shape, 32)
-    dtype = draft.fc.weight.dtype
+    dtype = draft.dtype
     cache = draft.new_cache(b, 32, dtype)
     x = torch.zeros(b, t, draft.cfg.hidden_size, dtype=dtype)
     rows, run, keys, cap = _dims(shape)
@@ -210,11 +212,11 @@ def _build(
     os.replace(partial, path)  # whole or absent: another process may be building the same package
 
 
-def _packages(folder: Path, build: Callable[[Shape, Path], None]) -> dict[Shape, Callable[..., object]]:
+def _packages(folder: Path, build: Callable[[Shape, Path], None]) -> dict[Shape, Package]:
     """Load a package for each shape class from `folder`, building the missing or damaged ones."""
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    runners: dict[Shape, Callable[..., object]] = {}
+    runners: dict[Shape, Package] = {}
     for shape in SHAPES:
         path = folder / f"rows{'N' if shape[0] else '1'}-tokens{'N' if shape[1] else '1'}.pt2"
         if path.exists():
@@ -229,17 +231,20 @@ def _packages(folder: Path, build: Callable[[Shape, Path], None]) -> dict[Shape,
     return runners
 
 
-def _load(path: Path) -> Callable[..., object]:
-    """Load a package. torch unpacks it into a temporary folder it removes only at a clean exit; once
-    the library is mapped the folder is not needed, so it goes now: a killed process leaves nothing."""
-    runner = torch._inductor.aoti_load_package(str(path))
+def _load(path: Path) -> Package:
+    """Load a package, to be called with its inputs flattened as export flattened them (torch's own
+    call parses the call spec and flattens the arguments again on every call: 0.17 ms, a quarter of
+    a compiled draft step). torch unpacks a package into a temporary folder it removes only at a clean
+    exit; once the library is mapped the folder is not needed, so it goes now: a killed process
+    leaves nothing."""
+    run: Package = torch._inductor.aoti_load_package(str(path)).loader.boxed_run
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:  # not Linux: left to torch
-        return runner
+        return run
     for folder in set(re.findall(r"(/\S*/aotinductor_[^/\s]+)/", maps)):
         shutil.rmtree(folder, ignore_errors=True)
-    return runner
+    return run
 
 
 def compile_stack(model: LlamaModel) -> CompiledStack:
@@ -250,4 +255,4 @@ def compile_stack(model: LlamaModel) -> CompiledStack:
         # compiling in the background runs the model's own layers meanwhile
         _build(copy.deepcopy(model.stack), _example(model, shape), path)
 
-    return CompiledStack(_packages(cache_dir() / "compiled" / package_key(model.stack), build))  # type: ignore[arg-type]
+    return CompiledStack(_packages(cache_dir() / "compiled" / package_key(model.stack), build))

@@ -244,6 +244,11 @@ class Eagle3Draft(nn.Module):
     def embed(self) -> nn.Embedding:
         return self._embed[0]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """Its activations' dtype (a norm's weight: the linears may be quantized)."""
+        return self.norm.weight.dtype
+
     def set_vocab(self, target_ids: torch.Tensor) -> None:
         """Draft vocabulary = these target ids (ascending order is kept, as SpecForge does)."""
         ids = target_ids.sort().values
@@ -383,7 +388,7 @@ class Eagle3Draft(nn.Module):
         still overflow (or a config pass every check and fail in a step), and a step that fails
         in serving fails a whole batch."""
         c = self.cfg
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         g = torch.Generator().manual_seed(0)
         aux = torch.randn(1, tokens, 3 * c.hidden_size, generator=g).to(dtype)
         ids = torch.randint(0, c.target_vocab_size, (2, 1, tokens), generator=g)
