@@ -17,6 +17,7 @@ load; activations stay in the serving dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -116,14 +117,24 @@ def int4_available(linear: nn.Linear) -> bool:
 def int4_draft(draft: M) -> M:
     """A draft's linears in int4 (in place), where the kernel takes their size. A draft step reads
     13 MB of bf16 weights for a few million multiply-adds: bound by memory even beside the target,
-    where 4 bits cut each of its linears' time 3-5x (`docs/experiments.md`). Its tokens are only
+    so a quarter of the bytes is most of the time (`docs/experiments.md`). Its tokens are only
     proposals (the target verifies every one), so its precision moves acceptance, never the output."""
-    for name, module in list(draft.named_modules()):
-        if isinstance(module, nn.Linear) and int4_available(module):
+
+    def int4(_: str, linear: nn.Linear) -> nn.Module | None:
+        if not int4_available(linear):
+            return None
+        return Int4Linear(Int4Blocks.quantize(linear.weight), linear.bias, linear.weight.dtype)
+
+    return _swap_linears(draft, int4)
+
+
+def _swap_linears(root: M, make: Callable[[str, nn.Linear], nn.Module | None]) -> M:
+    """Each nn.Linear under `root` replaced (in place) by `make(its name, it)`; None keeps it."""
+    for name, module in list(root.named_modules()):
+        if isinstance(module, nn.Linear) and (new := make(name, module)) is not None:
             parent, _, attr = name.rpartition(".")
-            new = Int4Linear(Int4Blocks.quantize(module.weight), module.bias, module.weight.dtype)
-            setattr(draft.get_submodule(parent), attr, new)
-    return draft
+            setattr(root.get_submodule(parent), attr, new)
+    return root
 
 
 # -- the GGUF's own blocks ----------------------------------------------------------------------------
@@ -227,18 +238,17 @@ def quantize_linears(model: nn.Module, mode: str, gguf_path: Path | None = None)
     if mode == "bf16":
         return "bf16"
     dtype = model.dtype
-    for name, module in list(model.layers.named_modules(prefix="layers")):
-        if not isinstance(module, nn.Linear):
-            continue
-        parent, _, attr = name.rpartition(".")
-        w, b = module.weight, module.bias
-        if mode == "int8" or not int4_available(module):
-            new: nn.Module = Int8Linear(w, b, dtype)
-        elif mode == "gguf":
-            if name not in file_blocks:
-                raise GGUFBlockError(f"{gguf_path}: no 4-bit blocks for {name}")
-            new = Int4Linear(file_blocks[name], b, dtype)
-        else:
-            new = Int4Linear(Int4Blocks.quantize(w), b, dtype)
-        setattr(model.get_submodule(parent), attr, new)
+
+    def quantized(name: str, linear: nn.Linear) -> nn.Module:
+        w, b = linear.weight, linear.bias
+        if mode == "int8" or not int4_available(linear):
+            return Int8Linear(w, b, dtype)
+        if mode == "gguf":
+            key = f"layers.{name}"  # the file's names are the model's
+            if key not in file_blocks:
+                raise GGUFBlockError(f"{gguf_path}: no 4-bit blocks for {key}")
+            return Int4Linear(file_blocks[key], b, dtype)
+        return Int4Linear(Int4Blocks.quantize(w), b, dtype)
+
+    _swap_linears(model.layers, quantized)
     return mode
