@@ -5,9 +5,12 @@
   1 - 1/`horizon`: evidence ages with traffic, not attempts, so a workload that is off soon learns
   from its checks alone. A depth's rate is shrunk towards the one above (few chains reach deep).
 - **Change point.** A two-sided Bernoulli CUSUM on the first depth's outcomes tests the estimate p
-  against a fall to p(1 - `shift`) and a rise to 1 - (1 - p)(1 - `shift`). Past `threshold` nats
-  the traffic, or the draft's fit to it, changed: the counts restart from the attempts since that
-  side last stood at zero (the change's estimated start), plus a prior at the rate it tested for.
+  against a fall to p(1 - `shift`) and a rise to 1 - (1 - p)(1 - `shift`). Outcomes come in bursts
+  (a stretch of boilerplate, then a hard one), so each step's log-likelihood ratio is divided by
+  their measured overdispersion (a quasi-likelihood): the variance of `BLOCK` outcomes' sum over
+  the binomial's, at least 1. Past `threshold` nats the traffic, or the draft's fit to it, changed:
+  the counts restart from the attempts since that side last stood at zero (the change's estimated
+  start), plus a prior at the rate it tested for.
 - **Choice.** gamma = argmax_g tau(g) T(b, 0) / T(b, g) over the batch's rows, tau from the estimates
   and T from step times measured on this machine (`cost_model.StepCosts`); 0 unless the best beats
   `min_gain`: a pure function of estimates and costs (`choose_gamma`).
@@ -36,6 +39,7 @@ from tide.serving.cost_model import StepCosts, measure_profile
 
 PRIOR_ALPHA = 0.5  # a draft nobody measured: optimistic enough to be tried
 PRIOR_WEIGHT = 8.0  # pseudo-attempts a prior counts for: one unlucky first step must not shut a depth off
+BLOCK = 16  # first-depth outcomes per sum the overdispersion is measured on: a few dozen make a change
 
 
 @dataclass
@@ -43,7 +47,7 @@ class ControllerConfig:
     max_gamma: int = 6
     horizon: float = 1024.0  # sequence-steps for evidence to fade to 1/e: many requests, not one
     shift: float = 0.5  # the change the detector looks for: half the way to 0 or to 1
-    threshold: float = 6.0  # nats for a change: at a rate of 0.67 about nine misses in a row
+    threshold: float = 6.0  # nats for a change: at a rate of 0.67 and no bursts, about nine misses in a row
     explore_share: float = 0.01  # of serving time spent drafting deeper than chosen, at most
     min_gain: float = 1.02  # speculate only above this predicted speedup (the estimates are noisy)
     confirm_steps: int = 384  # not paying, or below a fall, this long: the workload needs training
@@ -62,6 +66,9 @@ class Acceptance:
     since: list[list[list[int]]] = field(init=False)
     fell_from: float | None = None  # the first-depth rate before the last fall the detector found
     needed_for: int = 0  # sequence-steps on end the draft has not paid or stayed below a fall
+    dispersion: float = 1.0  # variance of a block's first-depth sum over the binomial's (used >= 1)
+    blocks: int = 0  # blocks measured
+    block: list[int] = field(default_factory=lambda: [0, 0])  # the block being filled: attempts, accepted
 
     def __post_init__(self) -> None:
         self.start_from([])
@@ -100,12 +107,26 @@ class Acceptance:
         for d, (n, k) in enumerate(zip(reached, accepted, strict=True)):
             self.reached[d], self.accepted[d] = self.reached[d] + n, self.accepted[d] + k
 
+    def _measure_dispersion(self, p: float, n: int, k: int) -> None:
+        """Fold a step's first-depth outcomes into the block; a full block's squared deviation over
+        its binomial variance into the mean: a plain mean (the no-burst 1 counting as four blocks)
+        until it ages like the rest of the evidence, over `horizon` outcomes."""
+        self.block = [self.block[0] + n, self.block[1] + k]
+        m, j = self.block
+        if m < BLOCK:
+            return
+        self.blocks += 1
+        ratio = (j - m * p) ** 2 / (m * p * (1 - p))
+        self.dispersion += (ratio - self.dispersion) * max(m / self.cfg.horizon, 1 / (self.blocks + 4))
+        self.block = [0, 0]
+
     def _detect(self, reached: list[int], accepted: list[int]) -> None:
         p = min(max(self.alphas()[0], 0.01), 0.99)
         n, k = reached[0], accepted[0]
-        keep = 1.0 - self.cfg.shift
+        self._measure_dispersion(p, n, k)
+        keep, phi = 1.0 - self.cfg.shift, max(1.0, self.dispersion)
         for side, q in enumerate((p * keep, 1.0 - (1.0 - p) * keep)):
-            self.cusum[side] += k * math.log(q / p) + (n - k) * math.log((1 - q) / (1 - p))
+            self.cusum[side] += (k * math.log(q / p) + (n - k) * math.log((1 - q) / (1 - p))) / phi
             counts = self.since[side]
             for d, (n_d, k_d) in enumerate(zip(reached, accepted, strict=True)):
                 counts[0][d], counts[1][d] = counts[0][d] + n_d, counts[1][d] + k_d
@@ -147,6 +168,7 @@ class Controller:
     def __init__(self, cfg: ControllerConfig, profiles: list[StepProfile]):
         self.cfg = cfg
         self.costs = StepCosts(profiles)
+        self.context = 256  # positions of context its step times were measured at
         self.acceptance: dict[str, Acceptance] = {}
         self.banked = 0.0  # seconds of exploration earned and not yet spent
         self.last = GammaChoice(0, 1.0)
@@ -197,6 +219,12 @@ class Controller:
                 needed = acc.shifted or self.best([w] * b).gamma == 0
                 acc.needed_for = acc.needed_for + len(sub) if needed else 0
 
+    def measure_costs(self, model: LlamaModel, draft: Eagle3Draft | None) -> None:
+        """Step times measured again, at the same batch sizes and context, as the target and draft
+        run now; the running correction starts over with them."""
+        sizes = tuple(p.batch_size for p in self.costs.profiles)
+        self.costs = StepCosts(measure_profiles(model, draft, sizes, self.context, self.cfg.max_gamma + 1))
+
     def draft_changed(self, workloads: list[str], expected: dict[int, float] | None = None) -> None:
         """A new draft serves these workloads: it starts from `expected` (tau by gamma, as the gate
         measured it on recent traffic), not from what was learnt of the old one."""
@@ -239,8 +267,16 @@ def build_controller(
     model: LlamaModel, draft: Eagle3Draft | None, cfg: ControllerConfig, max_batch: int,
     batch_sizes: tuple[int, ...] = (1, 4, 16), context: int = 256,
 ) -> Controller:  # fmt: skip
-    """Measure step times at a few batch sizes on this machine, now, and start a controller on them
-    (five rounds: `scripts/profile_noise.py` found three too few for the ratios that decide)."""
-    sizes = sorted({min(b, max_batch) for b in batch_sizes})
-    profiles = [measure_profile(model, draft, b, context, cfg.max_gamma + 1, repeats=5) for b in sizes]
-    return Controller(cfg, profiles)
+    """Measure step times at a few batch sizes on this machine, now, and start a controller on them."""
+    sizes = tuple(sorted({min(b, max_batch) for b in batch_sizes}))
+    controller = Controller(cfg, measure_profiles(model, draft, sizes, context, cfg.max_gamma + 1))
+    controller.context = context
+    return controller
+
+
+def measure_profiles(
+    model: LlamaModel, draft: Eagle3Draft | None, batch_sizes: tuple[int, ...], context: int, max_tokens: int
+) -> list[StepProfile]:
+    """Step times at each batch size, as the target and the draft run now (five rounds:
+    `scripts/profile_noise.py` found three too few for the ratios that decide)."""
+    return [measure_profile(model, draft, b, context, max_tokens, repeats=5) for b in batch_sizes]

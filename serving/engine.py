@@ -115,10 +115,9 @@ class Engine:
         )
         self.speculator = Speculator(self.batch, self.drafts, self.model.cfg.vocab_size)
         self.suffix = SuffixProposer(cfg.suffix) if cfg.proposer != "draft" else None
-        self.controller = controller  # told of every draft change; chooses gamma while adaptive
-        self.policy: GammaPolicy = (
-            AdaptiveGamma(controller) if controller is not None else FixedGamma(cfg.gamma)
-        )
+        self.controller: Controller | None = None  # told of every draft change; chooses gamma while adaptive
+        self.policy: GammaPolicy = FixedGamma(cfg.gamma)
+        self._costs_for: tuple[bool, ...] | None = None  # what the controller's step times were measured on
         self.waiting: deque[Sequence] = deque()
         self._lock = threading.Lock()
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -131,6 +130,8 @@ class Engine:
         if draft is not None:
             self.set_draft(draft)
             self.swap_pending_drafts()
+        if controller is not None:
+            self.use_controller(controller)
 
     # -- the step -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -321,10 +322,16 @@ class Engine:
             return None
         return LiveAcceptance(slot.version, slot.stats.steps, slot.stats.mean_accept_length)
 
+    def _a_draft(self) -> Eagle3Draft | None:
+        """The default draft, else any workload's: whose step time the cost model takes."""
+        return self.draft or next((s.draft for s in self.drafts.values()), None)
+
     def step_profile(self) -> StepProfile | None:
-        draft = self.draft or next((s.draft for s in self.drafts.values()), None)
-        if draft is None:
-            return None  # a profile without a draft's step time would overstate every speedup
+        draft = self._a_draft()
+        if draft is None or self.target.compiling:
+            # without a draft's step time it would overstate every speedup; mid-compile it would time
+            # the eager layers about to be replaced (the registry follower asks again)
+            return None
         # measured once and judged on for the node's lifetime: nine rounds (a few seconds); with five
         # the worst ratio at batch 1 was off by 0.09 at the median and 0.17 one time in ten, with nine
         # 0.07 and 0.12 (against 45 rounds on an idle machine here: scripts/profile_noise.py)
@@ -336,6 +343,26 @@ class Engine:
             raise ValueError(f"gamma must be in [0, {self.cfg.max_gamma}], got {gamma}")
         self.cfg.gamma = gamma
         self.policy = FixedGamma(gamma)
+
+    def use_controller(self, controller: Controller) -> None:
+        """The controller chooses gamma from now on; its step times were measured on what serves now."""
+        self.controller, self.policy = controller, AdaptiveGamma(controller)
+        self._costs_for = self._served()
+
+    def _served(self) -> tuple[bool, ...]:
+        """What step times depend on: the target's layers compiled or eager, its drafts' layer, a draft."""
+        return self.target.compiled, bool(self.target.draft_layer.runners), bool(self.drafts)
+
+    def refresh_costs(self) -> None:
+        """The controller's step times measured again where what serves changed since they were: a
+        node compiles its layers in the background while it serves eagerly, and may start without a
+        draft. Called between steps on the engine's thread, so no step contends with the timing."""
+        c, served = self.controller, self._served()
+        if c is None or self.target.compiling or served == self._costs_for:
+            return
+        self._costs_for = served
+        c.measure_costs(self.model, self._a_draft())
+        log.info("step times measured again (compiled, compiled draft layer, draft: %s)", served)
 
     def set_adaptive(self) -> None:
         """Let the controller choose gamma at every step again."""

@@ -87,6 +87,7 @@ class EngineLoop:
         while not self.stopped:
             if not self.engine.has_work:
                 self.engine.swap_pending_drafts()  # an idle node shows its new draft right away
+                self.engine.refresh_costs()
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue

@@ -63,12 +63,13 @@ class ServingNode:
         keeps them off the cores it measures."""
         with host_side():
             publisher = RecordPublisher(cfg.kafka, target.fingerprint) if cfg.kafka is not None else None
-        controller = None
-        if cfg.adaptive is not None:  # step times measured here and now, at a few batch sizes (seconds)
-            controller = build_controller(
-                target.model, draft, cfg.adaptive, cfg.engine.max_batch, cfg.profile_batches
+        engine = Engine(target, draft, cfg.engine, tap=publisher)
+        if cfg.adaptive is not None:
+            # step times measured here and now, at a few batch sizes (seconds), of the draft as the
+            # engine serves it (quantized, given the compiled layer); again once what serves changes
+            engine.use_controller(
+                build_controller(target.model, draft, cfg.adaptive, cfg.engine.max_batch, cfg.profile_batches)
             )
-        engine = Engine(target, draft, cfg.engine, tap=publisher, controller=controller)
         sync = DraftSync(cfg.registry, engine) if cfg.registry is not None else None
         feed = None
         if cfg.suffix_feed:

@@ -57,6 +57,7 @@ class Target:
     compiled: bool = False  # its decoder layers run compiled ahead of time (`tide.models.aot`)
     # its drafts' layer compiled the same way: empty until `compile`; drafts served hold it
     draft_layer: CompiledDraftLayer = field(default_factory=CompiledDraftLayer)
+    compiling: bool = False  # a compile runs in the background: what serves now is about to change
 
     @property
     def config(self) -> LlamaConfig:
@@ -89,7 +90,15 @@ class Target:
     def compile_in_background(self) -> threading.Thread:
         """The same on a thread of its own: a serving node answers (eagerly) while it compiles, and
         its next forward pass after that runs compiled."""
-        thread = threading.Thread(target=self.compile, name="tide-compile", daemon=True)
+
+        def run() -> None:
+            try:
+                self.compile()
+            finally:
+                self.compiling = False
+
+        self.compiling = True
+        thread = threading.Thread(target=run, name="tide-compile", daemon=True)
         thread.start()
         return thread
 
