@@ -344,10 +344,11 @@ class Engine:
         self.cfg.gamma = gamma
         self.policy = FixedGamma(gamma)
 
-    def use_controller(self, controller: Controller) -> None:
-        """The controller chooses gamma from now on; its step times were measured on what serves now."""
+    def use_controller(self, controller: Controller, stale: bool = False) -> None:
+        """The controller chooses gamma from now on. Its step times were measured on what serves now;
+        `stale`: while the target compiled, so they are measured again once it has."""
         self.controller, self.policy = controller, AdaptiveGamma(controller)
-        self._costs_for = self._served()
+        self._costs_for = None if stale else self._served()
 
     def _served(self) -> tuple[bool, ...]:
         """What step times depend on: the target's layers compiled or eager, its drafts' layer, a draft."""

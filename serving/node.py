@@ -67,9 +67,11 @@ class ServingNode:
         if cfg.adaptive is not None:
             # step times measured here and now, at a few batch sizes (seconds), of the draft as the
             # engine serves it (quantized, given the compiled layer); again once what serves changes
-            engine.use_controller(
-                build_controller(target.model, draft, cfg.adaptive, cfg.engine.max_batch, cfg.profile_batches)
+            stale = target.compiling
+            controller = build_controller(
+                target.model, draft, cfg.adaptive, cfg.engine.max_batch, cfg.profile_batches
             )
+            engine.use_controller(controller, stale)
         sync = DraftSync(cfg.registry, engine) if cfg.registry is not None else None
         feed = None
         if cfg.suffix_feed:

@@ -389,3 +389,6 @@ def test_step_times_are_measured_again_once_what_serves_changes() -> None:
     assert [p.batch_size for p in after.profiles] == [1, 2], after.profiles
     assert all(p.draft_step > 0 for p in after.profiles), after.profiles
     assert engine.step_profile() is not None
+    engine.use_controller(controller, stale=True)  # measured while a compile ran
+    engine.refresh_costs()
+    assert controller.costs is not after
