@@ -46,7 +46,7 @@ def record(draft_dir: Path, prompts: Path, start: int, limit: int) -> tuple[list
         accepted.extend(a.tolist())
         add(a, gamma)
 
-    engine.stats.add = recording  # type: ignore[method-assign]
+    engine.stats.add = recording  # type: ignore[method-assign,assignment]
     engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=128))
     return accepted, measure_profile(target.model, draft, 1, 256, DEPTH + 1)
 
