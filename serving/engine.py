@@ -130,8 +130,8 @@ class Engine:
         if draft is not None:
             self.set_draft(draft)
             self.swap_pending_drafts()
-        if controller is not None:
-            self.use_controller(controller)
+        if controller is not None:  # measured before this engine prepared the draft it was given
+            self.use_controller(controller, stale=draft is not None)
 
     # -- the step -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -328,9 +328,11 @@ class Engine:
 
     def step_profile(self) -> StepProfile | None:
         draft = self._a_draft()
-        if draft is None or self.target.compiling:
+        stale = self.controller is not None and self._costs_for != self._served()
+        if draft is None or self.target.compiling or stale:
             # without a draft's step time it would overstate every speedup; mid-compile it would time
-            # the eager layers about to be replaced (the registry follower asks again)
+            # the eager layers about to be replaced, and beside `refresh_costs` each would time the
+            # other (the registry follower asks again)
             return None
         # measured once and judged on for the node's lifetime: nine rounds (a few seconds); with five
         # the worst ratio at batch 1 was off by 0.09 at the median and 0.17 one time in ten, with nine
@@ -357,12 +359,19 @@ class Engine:
     def refresh_costs(self) -> None:
         """The controller's step times measured again where what serves changed since they were: a
         node compiles its layers in the background while it serves eagerly, and may start without a
-        draft. Called between steps on the engine's thread, so no step contends with the timing."""
+        draft. Called by the engine's loop when it is idle (a request arriving meanwhile waits the
+        few seconds it takes), so no step contends with the timing."""
+        if self.controller is None or self.target.compiling:
+            return
         c, served = self.controller, self._served()
-        if c is None or self.target.compiling or served == self._costs_for:
+        if served == self._costs_for or self._a_draft() is None:  # without a draft: keep what it had
             return
         self._costs_for = served
-        c.measure_costs(self.model, self._a_draft())
+        try:
+            c.measure_costs(self.model, self._a_draft())
+        except Exception:  # serving goes on, on the step times it had
+            log.exception("measuring step times again failed; the controller keeps the ones it had")
+            return
         log.info("step times measured again (compiled, compiled draft layer, draft: %s)", served)
 
     def set_adaptive(self) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
+from unittest import mock
 
 import torch
 
@@ -139,7 +140,7 @@ def test_a_collapse_turns_speculation_off_within_a_few_dozen_steps_and_calls_for
 def test_bursts_of_easy_and_hard_stretches_keep_a_paying_draft_on() -> None:
     """Code's acceptance comes in bursts (boilerplate, then a hard stretch) around a rate that pays.
     Read as independent outcomes, hard stretches looked like falls and turned speculation off for
-    hundreds of steps (0.93-0.95 of the best fixed gamma here over six seeds); measuring the
+    hundreds of steps (0.93-0.95 of the best fixed gamma of 1-3 here over six seeds); measuring the
     overdispersion keeps it on (0.97-0.98)."""
     c = Controller(ControllerConfig(max_gamma=6), [TWO_CORES])
     rng = random.Random(1)
@@ -147,12 +148,12 @@ def test_bursts_of_easy_and_hard_stretches_keep_a_paying_draft_on() -> None:
     while len(rates) < 20_000:
         rates += [rng.choice((0.55, 0.3))] * rng.randint(20, 60)
     served, fixed = throughput(c, rates, None), max(throughput(c, rates, g) for g in (1, 2, 3))
-    assert served > 0.96 * fixed and c.tracker("w").dispersion > 1.5, (served / fixed, c.snapshot())
+    assert served > 0.96 * fixed and c.tracker("w").dispersion > 1.2, (served / fixed, c.snapshot())
 
 
 def throughput(c: Controller, rates: list[float], gamma: int | None) -> float:
     """Tokens per second at profiled step times, serving `rates` (one per step) at the controller's
-    gamma (None) or a fixed one; the same seed draws the same outcomes."""
+    gamma (None) or a fixed one."""
     rng, seconds, tokens = random.Random(7), 0.0, 0
     for rate in rates:
         g = c.choose(["w"]).gamma if gamma is None else gamma
@@ -392,3 +393,8 @@ def test_step_times_are_measured_again_once_what_serves_changes() -> None:
     engine.use_controller(controller, stale=True)  # measured while a compile ran
     engine.refresh_costs()
     assert controller.costs is not after
+    now = controller.costs
+    engine.use_controller(controller, stale=True)
+    with mock.patch.object(controller, "measure_costs", side_effect=RuntimeError("a draft that raises")):
+        engine.refresh_costs()  # logged, not raised: the engine's loop goes on, on the step times it had
+    assert controller.costs is now
