@@ -55,6 +55,8 @@ from tide.serving.suffix import SuffixConfig, SuffixProposal, SuffixProposer
 
 log = logging.getLogger("tide.serving")
 
+BUSY_REFRESH_S = 60.0  # a busy node's step times stale this long are measured again between two steps
+
 
 PROPOSERS = ("draft", "suffix", "hybrid")
 
@@ -118,6 +120,7 @@ class Engine:
         self.controller: Controller | None = None  # told of every draft change; chooses gamma while adaptive
         self.policy: GammaPolicy = FixedGamma(cfg.gamma)
         self._costs_for: tuple[bool, ...] | None = None  # what the controller's step times were measured on
+        self._stale_since: float | None = None  # when what serves last changed from that
         self.waiting: deque[Sequence] = deque()
         self._lock = threading.Lock()
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -356,17 +359,23 @@ class Engine:
         """What step times depend on: the target's layers compiled or eager, its drafts' layer, a draft."""
         return self.target.compiled, bool(self.target.draft_layer.runners), bool(self.drafts)
 
-    def refresh_costs(self) -> None:
+    def refresh_costs(self, idle: bool = True) -> None:
         """The controller's step times measured again where what serves changed since they were: a
         node compiles its layers in the background while it serves eagerly, and may start without a
-        draft. Called by the engine's loop when it is idle (a request arriving meanwhile waits the
-        few seconds it takes), so no step contends with the timing."""
+        draft. The engine's loop calls it between steps, on its thread, so no step contends with
+        the timing: when idle, or once `BUSY_REFRESH_S` have passed without an idle moment (the
+        requests in flight then wait the few seconds it takes, once)."""
         if self.controller is None or self.target.compiling:
             return
         c, served = self.controller, self._served()
         if served == self._costs_for or self._a_draft() is None:  # without a draft: keep what it had
+            self._stale_since = None
             return
-        self._costs_for = served
+        now = time.monotonic()
+        self._stale_since = self._stale_since or now
+        if not idle and now - self._stale_since < BUSY_REFRESH_S:
+            return
+        self._costs_for, self._stale_since = served, None
         try:
             c.measure_costs(self.model, self._a_draft())
         except Exception:  # serving goes on, on the step times it had

@@ -107,6 +107,7 @@ class EngineLoop:
                 except Exception:  # its handler would wait forever: end it with an error
                     log.exception("could not deliver to request %s", out.seq.request_id)
                     self._deliver_error(out.seq)
+            self.engine.refresh_costs(idle=False)  # after delivering: this step's tokens do not wait
 
     def _deliver_error(self, seq: Sequence) -> None:
         w = self.waiters.pop(seq.request_id, None)

@@ -394,6 +394,13 @@ def test_step_times_are_measured_again_once_what_serves_changes() -> None:
     engine.refresh_costs()
     assert controller.costs is not after
     now = controller.costs
+    engine.use_controller(controller, stale=True)  # a busy node measures once stale for a while
+    engine.refresh_costs(idle=False)
+    assert controller.costs is now
+    with mock.patch("tide.serving.engine.BUSY_REFRESH_S", 0.0):
+        engine.refresh_costs(idle=False)
+    assert controller.costs is not now
+    now = controller.costs
     engine.use_controller(controller, stale=True)
     with mock.patch.object(controller, "measure_costs", side_effect=RuntimeError("a draft that raises")):
         engine.refresh_costs()  # logged, not raised: the engine's loop goes on, on the step times it had
