@@ -113,8 +113,7 @@ class Acceptance:
         """Fold a step's first-depth outcomes into the block; a full block's squared deviation over
         its binomial variance into the mean: a plain mean (the no-burst 1 counting as four blocks)
         until it ages over `horizon` outcomes. It ages with outcomes only: while off it keeps the
-        traffic's burstiness as last measured (fading it towards 1 then served 0.95-0.97 of the
-        best fixed gamma on the bursts of `tests/test_controller.py` instead of 0.97-0.98)."""
+        traffic's burstiness as last measured (fading it then measured worse: `docs/experiments.md`)."""
         self.block = [self.block[0] + n, self.block[1] + k]
         m, j = self.block
         if m < BLOCK:
@@ -169,10 +168,10 @@ class GammaChoice:
 
 
 class Controller:
-    def __init__(self, cfg: ControllerConfig, profiles: list[StepProfile]):
+    def __init__(self, cfg: ControllerConfig, profiles: list[StepProfile], context: int = 256):
         self.cfg = cfg
         self.costs = StepCosts(profiles)
-        self.context = 256  # positions of context its step times were measured at
+        self.context = context  # positions of context its step times were measured at
         self.acceptance: dict[str, Acceptance] = {}
         self.banked = 0.0  # seconds of exploration earned and not yet spent
         self.last = GammaChoice(0, 1.0)
@@ -273,9 +272,7 @@ def build_controller(
 ) -> Controller:  # fmt: skip
     """Measure step times at a few batch sizes on this machine, now, and start a controller on them."""
     sizes = tuple(sorted({min(b, max_batch) for b in batch_sizes}))
-    controller = Controller(cfg, measure_profiles(model, draft, sizes, context, cfg.max_gamma + 1))
-    controller.context = context
-    return controller
+    return Controller(cfg, measure_profiles(model, draft, sizes, context, cfg.max_gamma + 1), context)
 
 
 def measure_profiles(

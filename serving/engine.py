@@ -367,8 +367,8 @@ class Engine:
         requests in flight then wait the few seconds it takes, once)."""
         if self.controller is None or self.target.compiling:
             return
-        c, served = self.controller, self._served()
-        if served == self._costs_for or self._a_draft() is None:  # without a draft: keep what it had
+        c, served, draft = self.controller, self._served(), self._a_draft()
+        if served == self._costs_for or draft is None:  # without a draft: keep what it had
             self._stale_since = None
             return
         now = time.monotonic()
@@ -377,7 +377,7 @@ class Engine:
             return
         self._costs_for, self._stale_since = served, None
         try:
-            c.measure_costs(self.model, self._a_draft())
+            c.measure_costs(self.model, draft)
         except Exception:  # serving goes on, on the step times it had
             log.exception("measuring step times again failed; the controller keeps the ones it had")
             return
