@@ -16,6 +16,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,14 +73,14 @@ def main() -> None:
     print(f"profile: T(1..{DEPTH + 1}) {[round(t * 1e3, 2) for t in p.target.values()]} ms")
     draft = load()
     probs: list[float] = []
-    logits_of = draft.logits
+    step_of = draft.step
 
-    def recording(h: torch.Tensor) -> torch.Tensor:
-        out = logits_of(h)
-        probs.append(float(out.float().softmax(-1).amax()))  # greedy: the drafted token's probability
-        return out
+    def recording(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out, logits = step_of(*args)
+        probs.append(float(logits.softmax(-1).amax()))  # greedy: the drafted token's probability
+        return out, logits
 
-    draft.logits = recording  # type: ignore[method-assign, assignment]
+    draft.step = recording  # type: ignore[method-assign, assignment]
     engine = Engine(target, draft, EngineConfig(max_batch=1, max_model_len=600, gamma=DEPTH, max_gamma=DEPTH))
     prompts = [
         q.token_ids(target.tok)[-256:]

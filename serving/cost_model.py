@@ -140,4 +140,4 @@ def _target_step(model: LlamaModel, tokens: torch.Tensor, batch: Batch, cache: K
 def _draft_step(
     draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, batch: Batch, cache: DraftKV
 ) -> None:
-    draft.logits(draft(hidden, tokens, batch, cache)).argmax(-1)
+    draft.step(hidden, tokens, batch, cache, torch.zeros(hidden.shape[0], dtype=torch.long))[1].argmax(-1)

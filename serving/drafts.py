@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tide.models.eagle3 import DraftKV, DraftLayerCall, Eagle3Draft
+from tide.models.eagle3 import DraftKV, DraftStepCall, Eagle3Draft
 from tide.models.packing import pack_linears
 from tide.models.weights import int4_draft
 
@@ -82,10 +82,10 @@ class DraftSet(Mapping[str, DraftSlot]):
         dtype: torch.dtype,
         max_gamma: int,
         max_failures: int,
-        layer: DraftLayerCall | None = None,
+        step: DraftStepCall | None = None,
     ):
         self.max_batch, self.capacity, self.dtype = max_batch, capacity, dtype
-        self.layer = layer  # the draft layer compiled ahead of time, given to every draft served
+        self.step = step  # the draft step compiled ahead of time, given to every draft served
         self.max_gamma, self.max_failures = max_gamma, max_failures
         self.slots: dict[str, DraftSlot] = {}  # by workload; "default" serves workloads without one
         self._pending: dict[str, DraftSlot | None] = {}  # drafts to take over at the next step
@@ -135,7 +135,7 @@ class DraftSet(Mapping[str, DraftSlot]):
     # -- swaps ---------------------------------------------------------------------------------------
     def new_slot(self, draft: Eagle3Draft, expected: dict[int, float] | None) -> DraftSlot:
         cache = draft.new_cache(self.max_batch, self.capacity, self.dtype)
-        draft.compiled = self.layer
+        draft.compiled = self.step
         return DraftSlot(draft, cache, draft.target_ids(), DraftStats(self.max_gamma), expected)
 
     def set(self, draft: Eagle3Draft | None, workload: str, expected: dict[int, float] | None) -> None:

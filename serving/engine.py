@@ -113,7 +113,7 @@ class Engine:
             self.dtype,
             cfg.max_gamma,
             cfg.draft_failures,
-            target.draft_layer,
+            target.draft_step,
         )
         self.speculator = Speculator(self.batch, self.drafts, self.model.cfg.vocab_size)
         self.suffix = SuffixProposer(cfg.suffix) if cfg.proposer != "draft" else None
@@ -356,8 +356,8 @@ class Engine:
         self._costs_for = None if stale else self._served()
 
     def _served(self) -> tuple[bool, ...]:
-        """What step times depend on: the target's layers compiled or eager, its drafts' layer, a draft."""
-        return self.target.compiled, bool(self.target.draft_layer.runners), bool(self.drafts)
+        """What step times depend on: the target's layers compiled or eager, its drafts' step, a draft."""
+        return self.target.compiled, bool(self.target.draft_step.runners), bool(self.drafts)
 
     def refresh_costs(self, idle: bool = True) -> None:
         """The controller's step times measured again where what serves changed since they were: a
@@ -381,7 +381,7 @@ class Engine:
         except Exception:  # serving goes on, on the step times it had
             log.exception("measuring step times again failed; the controller keeps the ones it had")
             return
-        log.info("step times measured again (compiled, compiled draft layer, draft: %s)", served)
+        log.info("step times measured again (compiled, compiled draft step, draft: %s)", served)
 
     def set_adaptive(self) -> None:
         """Let the controller choose gamma at every step again."""

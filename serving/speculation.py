@@ -98,28 +98,27 @@ class Speculator:
         # padding rows sit at the sequence's last position (keeps the attended span short) and write to scratch
         pos = torch.where(valid, pos, (lengths - 1).unsqueeze(1))
         hidden = draft.fc(st.aux[rows.unsqueeze(1), pos])
-        out = draft(
-            hidden,
-            st.tokens[rows.unsqueeze(1), pos + 1],
-            Batch.make(0, pos, valid, st.capacity, slots),
-            ds.cache,
-        )
-        last = out[torch.arange(bsz), lengths - 1 - dlen].unsqueeze(1)
+        batch = Batch.make(0, pos, valid, st.capacity, slots)
+        pick = lengths - 1 - dlen  # each row's last committed position: the next token's context
+        out, logits = draft.step(hidden, st.tokens[rows.unsqueeze(1), pos + 1], batch, ds.cache, pick)
+        last = out[torch.arange(bsz), pick].unsqueeze(1)
         st.draft_lengths[rows] = lengths
         tokens = torch.empty(bsz, gamma, dtype=torch.long)
         qs: list[torch.Tensor] = []
         s = BatchSampling.of(params) if u is not None else None
         sure = torch.ones(bsz)  # the draft's probability of its chain so far, per row
-        for i in range(gamma):
-            logits = draft.logits(last[:, 0]).unsqueeze(1)  # (B, 1, Vd)
+        first = torch.zeros(bsz, dtype=torch.long)
+        for i in range(gamma):  # logits (B, Vd): the draft's next token, from `last`
             if u is None or s is None:
-                d = logits[:, 0].argmax(-1)
+                d = logits.argmax(-1)
                 if stop_below:
-                    sure = sure * logits[:, 0].float().softmax(-1).amax(-1)
+                    sure = sure * logits.softmax(-1).amax(-1)
                     if i and bool((sure < stop_below).all()):
                         return self._checked(tokens[:, :i]), None
             else:
-                q = probs_from_logits(logits, BatchSampling(s.temperature, s.top_p, s.top_k, False))[:, 0]
+                q = probs_from_logits(
+                    logits.unsqueeze(1), BatchSampling(s.temperature, s.top_p, s.top_k, False)
+                )[:, 0]
                 d = sample(q, u[:, i])
                 if stop_below:
                     sure = sure * q.gather(1, d.unsqueeze(1))[:, 0]
@@ -127,10 +126,12 @@ class Speculator:
                         return self._checked(tokens[:, :i]), torch.stack(qs, 1)
                 full = torch.zeros(bsz, self.vocab_size)
                 qs.append(full.index_copy_(1, ds.ids, q))
-            tokens[:, i] = ds.ids[d]
+            drafted = ds.ids[d].unsqueeze(1)  # (B, 1)
+            tokens[:, i] = drafted[:, 0]
             if i + 1 < gamma:
                 p = (lengths + i).unsqueeze(1)
-                last = draft(last, tokens[:, i : i + 1], Batch.make(0, p, None, st.capacity, slots), ds.cache)
+                batch = Batch.make(0, p, None, st.capacity, slots)
+                last, logits = draft.step(last, drafted, batch, ds.cache, first)
         return self._checked(tokens), (torch.stack(qs, 1) if qs else None)
 
     def _checked(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -172,23 +172,23 @@ def test_compiled_layers_match_the_eager_layers_in_each_shape_class() -> None:
         assert compiled(x, first.positions, first.write_positions, first.mask, ks, vs) is None
 
 
-def test_the_compiled_draft_layer_matches_the_eager_layer_for_any_draft() -> None:
-    """The draft layer compiled with the target (`CompiledDraftLayer`) takes the draft's tensors as
-    an input: two drafts of different weights each get the eager layer's output and cache writes in
-    every shape class; a draft of another dtype or left dense, which no package fits, is left to the
-    eager layer."""
+def test_the_compiled_draft_step_matches_the_eager_step_for_any_draft() -> None:
+    """The draft step compiled with the target (`CompiledDraftStep`) takes the draft's tensors as
+    an input: two drafts of different weights and vocabularies each get the eager step's output,
+    logits and cache writes in every shape class; a draft of another dtype or left dense, which no
+    package fits, is left to the eager step."""
     from tide.models.eagle3 import DraftConfig, Eagle3Draft
     from tide.models.llama import Batch
 
     target = tiny_target(seed=5, scale=2.0)
     target.weights = quantize_linears(target.model, "int4")
     assert target.compile()
-    layer, cfg = target.draft_layer, target.model.cfg
-    assert layer.runners
+    step, cfg = target.draft_step, target.model.cfg
+    assert step.runners
     g = torch.Generator().manual_seed(2)
-    for seed in (1, 2):
+    for seed, vocab in ((1, 64), (2, 128)):
         torch.manual_seed(seed)
-        dense = Eagle3Draft(DraftConfig.for_target(cfg, target.fingerprint, 64), target.model.embed_tokens)
+        dense = Eagle3Draft(DraftConfig.for_target(cfg, target.fingerprint, vocab), target.model.embed_tokens)
         draft = int4_draft(copy.deepcopy(dense))  # as `DraftSet` serves it
         for b, t, start in ((1, 1, 7), (1, 4, 7), (2, 1, 9), (2, 3, 9)):
             caches = [draft.new_cache(3, 40, torch.float32) for _ in range(2)]
@@ -198,23 +198,37 @@ def test_the_compiled_draft_layer_matches_the_eager_layer_for_any_draft() -> Non
             caches[1].v.copy_(caches[0].v)
             pos = (start + torch.arange(t)).repeat(b, 1)
             batch = Batch.make(0, pos, None, 40)
-            hidden, emb = torch.randn(2, b, t, cfg.hidden_size, generator=g)
-            args = (hidden, emb, pos, batch.write_positions, batch.mask)
+            hidden = torch.randn(b, t, cfg.hidden_size, generator=g)
+            tokens = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+            pick = torch.randint(0, t, (b,), generator=g)
+            args = (hidden, tokens, pos, batch.write_positions, batch.mask)
             with torch.inference_mode():
-                eager = draft.layer(*args, caches[0].k[1 : 1 + b], caches[0].v[1 : 1 + b])
-                got = layer(draft.layer_state, *args, caches[1].k[1 : 1 + b], caches[1].v[1 : 1 + b])
+                eager = draft.layer(*args, caches[0].k[1 : 1 + b], caches[0].v[1 : 1 + b], pick)
+                got = step(draft.layer_state, *args, caches[1].k[1 : 1 + b], caches[1].v[1 : 1 + b], pick)
             assert got is not None, (seed, b, t)
+            assert got[1].shape == (b, vocab) and got[1].dtype == torch.float32
             torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-4, atol=1e-4)
     batch = Batch.make(0, torch.tensor([[7]]), None, 40)
+    tokens, pick = torch.tensor([[3]]), torch.zeros(1, dtype=torch.long)
     for other in (dense, int4_draft(Eagle3Draft(draft.cfg, target.model.embed_tokens).to(torch.bfloat16))):
         cache = other.new_cache(1, 40, other.dtype)
         x = torch.randn(1, 1, cfg.hidden_size).to(other.dtype)
         with torch.inference_mode():
             state = other.layer_state
             assert (
-                layer(state, x, x, batch.positions, batch.write_positions, batch.mask, cache.k, cache.v)
+                step(
+                    state,
+                    x,
+                    tokens,
+                    batch.positions,
+                    batch.write_positions,
+                    batch.mask,
+                    cache.k,
+                    cache.v,
+                    pick,
+                )
                 is None
             )
 
@@ -230,7 +244,7 @@ def test_loaded_packages_leave_nothing_in_tmp() -> None:
 
     target = tiny_target(seed=5, scale=2.0)
     target.weights = quantize_linears(target.model, "int4")
-    assert target.compile() and target.draft_layer.runners
+    assert target.compile() and target.draft_step.runners
     mapped = set(re.findall(r"(/\S*/aotinductor_[^/\s]+)/", Path("/proc/self/maps").read_text()))
     assert mapped, "no package library is mapped from a temporary folder"
     assert not [f for f in mapped if Path(f).exists()]

@@ -41,6 +41,9 @@ _LIMIT = 1 << 16  # the largest batch, run length and cache capacity the package
 # the code a package is compiled from
 _STACK_SOURCES = ("llama.py", "weights.py", "aot.py")
 _DRAFT_SOURCES = ("llama.py", "eagle3.py", "weights.py", "aot.py")
+# where a draft step's int4 head holds its vocabulary (`weights.Int4Linear`): one package serves
+# every draft vocabulary of a multiple of 16 (a head of another size stays dense, and eager)
+_VOCAB_DIMS = {"lm_head.qweight": 0, "lm_head.scales_and_zeros": 1}
 
 
 class CompiledStack:
@@ -77,8 +80,8 @@ def _runner(
     return run
 
 
-class CompiledDraftLayer:
-    """`DraftLayer`'s call through the packages compiled for one draft architecture, empty until
+class CompiledDraftStep:
+    """`DraftStep`'s call through the packages compiled for one draft architecture, empty until
     `load`; None where no package covers the shape or the draft is of another architecture. The
     draft's tensors are an input, so a new draft version runs compiled from its first step."""
 
@@ -107,13 +110,14 @@ class CompiledDraftLayer:
         self,
         state: dict[str, torch.Tensor],
         hidden: torch.Tensor,
-        emb: torch.Tensor,
+        tokens: torch.Tensor,
         positions: torch.Tensor,
         write_positions: torch.Tensor,
         mask: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-    ) -> torch.Tensor | None:
+        pick: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         run = _runner(self.runners, positions, mask, k)
         if run is None:
             return None
@@ -121,7 +125,11 @@ class CompiledDraftLayer:
             self._checked = (state, draft_arch(hidden.dtype, state) == self.arch)
         if not self._checked[1]:
             return None
-        return run([*(state[n] for n in self.names), hidden, emb, positions, write_positions, mask, k, v])[0]
+        # a package reads its inputs with the strides it was traced with: a column of a wider
+        # tensor (a chain's last drafted token) is copied
+        args = [hidden.contiguous(), tokens.contiguous(), positions, write_positions, mask, k, v, pick]
+        out, logits = run([*(state[n] for n in self.names), *args])
+        return out, logits
 
 
 class _Stateless(torch.nn.Module):
@@ -136,8 +144,16 @@ class _Stateless(torch.nn.Module):
 
 
 def draft_arch(dtype: torch.dtype, state: dict[str, torch.Tensor]) -> tuple[object, ...]:
-    """What a compiled draft layer fits: the dtype, and each tensor's name, dtype and shape."""
-    return (dtype, *((k, t.dtype, tuple(t.shape)) for k, t in sorted(state.items())))
+    """What a compiled draft step fits: the dtype, and each tensor's name, dtype and shape but the
+    head's vocabulary size, which the packages take as dynamic."""
+
+    def shape(name: str, t: torch.Tensor) -> tuple[int | None, ...]:
+        dims: list[int | None] = list(t.shape)
+        if name in _VOCAB_DIMS:
+            dims[_VOCAB_DIMS[name]] = None
+        return tuple(dims)
+
+    return (dtype, *((k, t.dtype, shape(k, t)) for k, t in sorted(state.items())))
 
 
 def package_key(stack: DecoderStack) -> str:
@@ -188,17 +204,23 @@ def _example(model: LlamaModel, shape: Shape) -> tuple[tuple[object, ...], tuple
 
 
 def _draft_example(draft: Eagle3Draft, shape: Shape) -> tuple[tuple[object, ...], tuple[object, ...]]:
-    """Inputs to trace a draft layer with (its state, then `DraftLayer`'s arguments), and their dynamic sizes."""
+    """Inputs to trace a draft step with (its state, then `DraftStep`'s arguments), and their dynamic sizes."""
     b, t, batch = _example_batch(shape, 32)
     dtype = draft.dtype
     cache = draft.new_cache(b, 32, dtype)
     x = torch.zeros(b, t, draft.cfg.hidden_size, dtype=dtype)
+    tokens = torch.zeros(b, t, dtype=torch.long)
+    pick = torch.full((b,), t - 1)
     rows, run, keys, cap = _dims(shape)
     kv = _only({0: rows, 2: cap})
-    args = (x, x.clone(), batch.positions, batch.write_positions, batch.mask, cache.k, cache.v)
-    dynamic = (_only({0: rows, 1: run}),) * 4 + (_only({0: rows, 2: run, 3: keys}), kv, kv)
+    args = (x, tokens, batch.positions, batch.write_positions, batch.mask, cache.k, cache.v, pick)
+    dynamic = (*(_only({0: rows, 1: run}),) * 4, _only({0: rows, 2: run, 3: keys}), kv, kv, _only({0: rows}))
     state = draft.layer_state
-    return (state, args), ({k: None for k in state}, dynamic)
+    vocab = torch.export.Dim("vocab", min=16, max=_LIMIT)
+    return (state, args), (
+        {k: ({_VOCAB_DIMS[k]: vocab} if k in _VOCAB_DIMS else None) for k in state},
+        dynamic,
+    )
 
 
 def _build(

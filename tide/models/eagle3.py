@@ -166,47 +166,61 @@ class MidLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DraftLayer(nn.Module):
-    """The draft's decoder layer on plain tensors (the cache rows of slots [0, B)): the signature
-    `tide.models.aot` exports; the eager path runs the same code."""
+class DraftStep(nn.Module):
+    """One draft step on plain tensors (the cache rows of slots [0, B)): the target's embedding of
+    the tokens, the decoder layer, and the head's logits at one position per row (`pick`), the one
+    the next token is drafted from. The signature `tide.models.aot` exports, so a chain step is one
+    call into compiled code; the eager path runs the same code."""
 
     def __init__(self, draft: Eagle3Draft):
         super().__init__()
-        self.midlayer, self.rope = draft.midlayer, draft.rope
+        self.midlayer, self.rope, self.norm, self.lm_head = (
+            draft.midlayer,
+            draft.rope,
+            draft.norm,
+            draft.lm_head,
+        )
+        self.embed = draft.embed
 
     def forward(
         self,
         hidden: torch.Tensor,
-        emb: torch.Tensor,
+        tokens: torch.Tensor,
         positions: torch.Tensor,
         write_positions: torch.Tensor,
         mask: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.run(
-            hidden, emb, Batch(0, positions, write_positions, mask, mask.shape[-1]), k_cache, v_cache
-        )
+        pick: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = Batch(0, positions, write_positions, mask, mask.shape[-1])
+        return self.run(hidden, tokens, batch, k_cache, v_cache, pick)
 
     def run(
         self,
         hidden: torch.Tensor,
-        emb: torch.Tensor,
+        tokens: torch.Tensor,
         batch: Batch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
+        pick: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (B, T, d), tokens (B, T), pick (B,) -> the layer's output (B, T, d) and the fp32
+        logits (B, Vd) at position `pick` of each row."""
         layer = self.midlayer
-        x = layer.attn_input(emb, hidden)
+        x = layer.attn_input(self.embed(tokens).to(hidden.dtype), hidden)
         rope = self.rope(batch.positions, x.dtype)
         q, k, v = layer.self_attn.qkv(x, rope)
         keys = write_kv(k_cache, batch, k)
         values = write_kv(v_cache, batch, v)
-        return layer.finish(hidden, attend(q.transpose(1, 2), keys, values, batch))
+        out = layer.finish(hidden, attend(q.transpose(1, 2), keys, values, batch))
+        at = out.gather(1, pick.view(-1, 1, 1).expand(-1, 1, out.shape[-1]))[:, 0]
+        return out, self.lm_head(self.norm(at)).float()
 
 
-# (layer state, hidden, emb, positions, write_positions, mask, k rows, v rows) -> output, or None
-DraftLayerCall = Callable[..., torch.Tensor | None]
+# (step state, hidden, tokens, positions, write_positions, mask, k rows, v rows, pick) -> (output,
+# logits), or None
+DraftStepCall = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
 
 
 @dataclass
@@ -234,11 +248,11 @@ class Eagle3Draft(nn.Module):
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
         # the target's embedding, shared and frozen: kept out of state_dict()
         self._embed = [embed]
-        self._layer: list[DraftLayer] = []  # plain lists: not submodules, not in state_dict()
+        self._layer: list[DraftStep] = []  # plain lists: not submodules, not in state_dict()
         self._layer_state: dict[str, torch.Tensor] = {}
-        # the layer compiled ahead of time for this draft's architecture (`tide.models.aot`), set by
+        # the step compiled ahead of time for this draft's architecture (`tide.models.aot`), set by
         # whoever serves the draft: None for a shape it does not cover
-        self.compiled: DraftLayerCall | None = None
+        self.compiled: DraftStepCall | None = None
 
     @property
     def embed(self) -> nn.Embedding:
@@ -272,27 +286,44 @@ class Eagle3Draft(nn.Module):
         self, hidden: torch.Tensor, tokens: torch.Tensor, batch: Batch, cache: DraftKV
     ) -> torch.Tensor:
         """hidden (B, T, d): fc(aux) or the previous step's output; tokens (B, T): the next tokens."""
-        emb = self.embed(tokens).to(hidden.dtype)
+        return self.step(hidden, tokens, batch, cache, torch.zeros(hidden.shape[0], dtype=torch.long))[0]
+
+    def step(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, batch: Batch, cache: DraftKV, pick: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the logits (B, Vd) at position `pick` (B,) of each row (`DraftStep`)."""
         if batch.slots is not None:  # rows gathered from anywhere in the cache: eager
-            return self.layer.run(hidden, emb, batch, cache.k, cache.v)
+            return self.layer.run(hidden, tokens, batch, cache.k, cache.v, pick)
         rows = slice(batch.slot0, batch.slot0 + hidden.shape[0])
-        args = (hidden, emb, batch.positions, batch.write_positions, batch.mask, cache.k[rows], cache.v[rows])
+        args = (
+            hidden,
+            tokens,
+            batch.positions,
+            batch.write_positions,
+            batch.mask,
+            cache.k[rows],
+            cache.v[rows],
+            pick,
+        )
         out = self.compiled(self.layer_state, *args) if self.compiled is not None else None
         return out if out is not None else self.layer(*args)
 
     @property
-    def layer(self) -> DraftLayer:
-        if not self._layer:
-            self._layer.append(DraftLayer(self))
+    def layer(self) -> DraftStep:
+        """Made again where the head is not the draft's own any more (`int4_draft` swaps it in place)."""
+        if not self._layer or self._layer[0].lm_head is not self.lm_head:
+            self._layer[:] = [DraftStep(self)]
+            self._layer_state.clear()
         return self._layer[0]
 
     @property
     def layer_state(self) -> dict[str, torch.Tensor]:
-        """The tensors `DraftLayer` reads, by its names: a compiled layer takes them as an input, so
+        """The tensors `DraftStep` reads, by its names: a compiled step takes them as an input, so
         one package serves every draft of an architecture. Made on first use (after `.to(dtype)`)."""
+        layer = self.layer
         if not self._layer_state:
-            self._layer_state.update(self.layer.named_parameters())
-            self._layer_state.update(self.layer.named_buffers())
+            self._layer_state.update(layer.named_parameters())
+            self._layer_state.update(layer.named_buffers())
         return self._layer_state
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:

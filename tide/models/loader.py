@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tide.config import cache_dir, file_cache_key, native_dtype
-from tide.models.aot import CompiledDraftLayer, compile_stack
+from tide.models.aot import CompiledDraftStep, compile_stack
 from tide.models.eagle3 import DraftConfig
 from tide.models.llama import LlamaConfig, LlamaModel
 from tide.models.packing import pack_linears
@@ -55,8 +55,8 @@ class Target:
     path: Path
     weights: str = "bf16"  # how its linears hold their weights (`tide.models.weights`)
     compiled: bool = False  # its decoder layers run compiled ahead of time (`tide.models.aot`)
-    # its drafts' layer compiled the same way: empty until `compile`; drafts served hold it
-    draft_layer: CompiledDraftLayer = field(default_factory=CompiledDraftLayer)
+    # its drafts' step compiled the same way: empty until `compile`; drafts served hold it
+    draft_step: CompiledDraftStep = field(default_factory=CompiledDraftStep)
     compiling: bool = False  # a compile runs in the background: what serves now is about to change
 
     @property
@@ -80,11 +80,11 @@ class Target:
         self.model.compiled = stack
         self.compiled = True
         try:
-            # the layer alone: a draft's vocabulary does not change it
-            cfg = DraftConfig.for_target(self.config, self.fingerprint, draft_vocab_size=2)
-            self.draft_layer.load(cfg, self.model.embed_tokens, self.model.dtype)
+            # traced with an int4 head of 64 tokens: the packages take any multiple of 16
+            cfg = DraftConfig.for_target(self.config, self.fingerprint, draft_vocab_size=64)
+            self.draft_step.load(cfg, self.model.embed_tokens, self.model.dtype)
         except Exception as e:
-            log.warning("compiling the draft layer failed (%s): drafts run eagerly", e)
+            log.warning("compiling the draft step failed (%s): drafts run eagerly", e)
         return True
 
     def compile_in_background(self) -> threading.Thread:

@@ -101,7 +101,9 @@ class Int4Linear(nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.reshape(-1, self.in_features), self.qweight, INT4_GROUP, self.scales_and_zeros
         )
-        y = y.view(*x.shape[:-1], self.out_features)
+        y = y.view(
+            *x.shape[:-1], y.shape[-1]
+        )  # the weight's rows: a compiled draft head's vocabulary is dynamic
         return y if self.bias is None else y + self.bias
 
 
