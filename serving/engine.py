@@ -119,7 +119,7 @@ class Engine:
         self.suffix = SuffixProposer(cfg.suffix) if cfg.proposer != "draft" else None
         self.controller: Controller | None = None  # told of every draft change; chooses gamma while adaptive
         self.policy: GammaPolicy = FixedGamma(cfg.gamma)
-        self._costs_for: tuple[bool, ...] | None = None  # what the controller's step times were measured on
+        self._costs_for: tuple[object, ...] | None = None  # what the controller's step times were measured on
         self._stale_since: float | None = None  # when what serves last changed from that
         self.waiting: deque[Sequence] = deque()
         self._lock = threading.Lock()
@@ -355,9 +355,13 @@ class Engine:
         self.controller, self.policy = controller, AdaptiveGamma(controller)
         self._costs_for = None if stale else self._served()
 
-    def _served(self) -> tuple[bool, ...]:
-        """What step times depend on: the target's layers compiled or eager, its drafts' step, a draft."""
-        return self.target.compiled, bool(self.target.draft_step.runners), bool(self.drafts)
+    def _served(self) -> tuple[object, ...]:
+        """What step times depend on: the target's layers compiled or eager, its drafts' step, and
+        the size of the draft timed (None: no draft): a version of another size costs another time."""
+        draft = self._a_draft()
+        c = None if draft is None else draft.cfg
+        size = None if c is None else (c.hidden_size, c.intermediate_size, c.draft_vocab_size)
+        return self.target.compiled, bool(self.target.draft_step.runners), size
 
     def refresh_costs(self, idle: bool = True) -> None:
         """The controller's step times measured again where what serves changed since they were: a
@@ -381,7 +385,7 @@ class Engine:
         except Exception:  # serving goes on, on the step times it had
             log.exception("measuring step times again failed; the controller keeps the ones it had")
             return
-        log.info("step times measured again (compiled, compiled draft step, draft: %s)", served)
+        log.info("step times measured again (compiled, compiled draft step, draft size: %s)", served)
 
     def set_adaptive(self) -> None:
         """Let the controller choose gamma at every step again."""

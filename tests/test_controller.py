@@ -369,7 +369,8 @@ def test_served_decisions_per_workload(trained_draft_dir: Path, tmp_path: Path) 
 def test_step_times_are_measured_again_once_what_serves_changes() -> None:
     """A node may start without a draft, and compiles its layers in the background: the controller's
     step times, measured at the start, are measured again once a draft serves and the compile has
-    ended, never while it runs; the gate's profile waits for the compile too."""
+    ended, never while it runs, and again when a draft of another size replaces it (not for a new
+    version of the same size); the gate's profile waits for the compile too."""
     target = tiny_target(seed=5, max_position=512)  # the gate's profile is timed at 256 positions
     engine = Engine(target, None, EngineConfig(max_batch=2, max_model_len=64, gamma=0, max_gamma=4))
     engine.use_controller(build_controller(target.model, None, ControllerConfig(max_gamma=4), 2, (1, 2), 32))
@@ -390,6 +391,15 @@ def test_step_times_are_measured_again_once_what_serves_changes() -> None:
     assert [p.batch_size for p in after.profiles] == [1, 2], after.profiles
     assert all(p.draft_step > 0 for p in after.profiles), after.profiles
     assert engine.step_profile() is not None
+    engine.set_draft(tiny_draft(target, seed=2))  # a new version, the same size
+    engine.swap_pending_drafts()
+    engine.refresh_costs()
+    assert controller.costs is after
+    engine.set_draft(tiny_draft(target, vocab=64))  # a smaller head
+    engine.swap_pending_drafts()
+    engine.refresh_costs()
+    assert controller.costs is not after
+    after = controller.costs
     engine.use_controller(controller, stale=True)  # measured while a compile ran
     engine.refresh_costs()
     assert controller.costs is not after
