@@ -38,7 +38,7 @@ def record(draft_dir: Path, prompts: Path, start: int, limit: int) -> tuple[list
     ids = [p.token_ids(target.tok) for p in chosen]
     draft = Eagle3Draft.load(draft_dir, target.model.embed_tokens, target.config, target.fingerprint, dtype)
     cfg = EngineConfig(max_batch=1, max_model_len=max(map(len, ids)) + 136, gamma=DEPTH)
-    engine = Engine(target, draft, cfg)  # quantizes the draft and gives it the compiled layer
+    engine = Engine(target, draft, cfg)  # quantizes the draft and gives it the compiled step
     accepted: list[int] = []
     add = engine.stats.add
 

@@ -144,6 +144,7 @@ class DraftSet(Mapping[str, DraftSlot]):
         slot = None
         if draft is not None:
             pack_linears(int4_draft(draft))  # the slow parts happen here, off the engine's thread
+            draft.layer_state  # noqa: B018 (made here too, not on the engine's first step)
             slot = self.new_slot(draft, expected)
         with self._lock:
             self._pending[workload] = slot

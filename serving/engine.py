@@ -359,9 +359,18 @@ class Engine:
         """What step times depend on: the target's layers compiled or eager, its drafts' step, and
         the size of the draft timed (None: no draft): a version of another size costs another time."""
         draft = self._a_draft()
-        c = None if draft is None else draft.cfg
-        size = None if c is None else (c.hidden_size, c.intermediate_size, c.draft_vocab_size)
-        return self.target.compiled, bool(self.target.draft_step.runners), size
+        if draft is None:
+            return self.target.compiled, bool(self.target.draft_step.runners), None
+        c = draft.cfg
+        size = (
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.draft_vocab_size,
+        )
+        return self.target.compiled, bool(self.target.draft_step.runners), (draft.dtype, *size)
 
     def refresh_costs(self, idle: bool = True) -> None:
         """The controller's step times measured again where what serves changed since they were: a

@@ -66,7 +66,7 @@ class ServingNode:
         engine = Engine(target, draft, cfg.engine, tap=publisher)
         if cfg.adaptive is not None:
             # step times measured here and now, at a few batch sizes (seconds), of the draft as the
-            # engine serves it (quantized, given the compiled layer); again once what serves changes
+            # engine serves it (quantized, given the compiled step); again once what serves changes
             stale = target.compiling
             controller = build_controller(
                 target.model, draft, cfg.adaptive, cfg.engine.max_batch, cfg.profile_batches

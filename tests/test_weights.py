@@ -208,8 +208,23 @@ def test_the_compiled_draft_step_matches_the_eager_step_for_any_draft() -> None:
             assert got is not None, (seed, b, t)
             assert got[1].shape == (b, vocab) and got[1].dtype == torch.float32
             torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+            # the logits are the head's at each row's `pick`
+            torch.testing.assert_close(eager[1], draft.logits(eager[0][torch.arange(b), pick]))
             torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-4, atol=1e-4)
+    # a chain's token ids as a column of a wider tensor: the package reads them as the eager step does
+    draft.compiled = step
+    pos = torch.tensor([[9], [12]])
+    wide = torch.randint(0, cfg.vocab_size, (2, 3), generator=g)
+    hidden = torch.randn(2, 1, cfg.hidden_size, generator=g)
+    pick = torch.zeros(2, dtype=torch.long)
+    outs = []
+    for compiled in (step, None):
+        draft.compiled = compiled
+        cache = draft.new_cache(2, 40, torch.float32)
+        with torch.inference_mode():
+            outs.append(draft.step(hidden, wide[:, 1:2], Batch.make(0, pos, None, 40), cache, pick))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
     batch = Batch.make(0, torch.tensor([[7]]), None, 40)
     tokens, pick = torch.tensor([[3]]), torch.zeros(1, dtype=torch.long)
     for other in (dense, int4_draft(Eagle3Draft(draft.cfg, target.model.embed_tokens).to(torch.bfloat16))):

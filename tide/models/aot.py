@@ -94,7 +94,10 @@ class CompiledDraftStep:
     def load(self, cfg: DraftConfig, embed: torch.nn.Embedding, dtype: torch.dtype) -> None:
         """Load the packages of this architecture in `dtype`, compiling the missing ones first:
         traced on an untrained draft, as the weights are an input (raises what the toolchain raises)."""
-        template = int4_draft(Eagle3Draft(cfg, embed).to(dtype).eval())  # as `DraftSet` serves it
+        # its own embedding of the same shape: export swaps traced tensors into the modules it
+        # traces, and the target's embedding serves meanwhile (a node compiles in the background)
+        private = torch.nn.Embedding.from_pretrained(torch.empty_like(embed.weight))
+        template = int4_draft(Eagle3Draft(cfg, private).to(dtype).eval())  # as `DraftSet` serves it
         arch = draft_arch(dtype, template.layer_state)
         h = _code_hash(_DRAFT_SOURCES)
         h.update(repr((arch, cfg.rms_eps)).encode())  # the norms' epsilon is compiled in
@@ -126,8 +129,17 @@ class CompiledDraftStep:
         if not self._checked[1]:
             return None
         # a package reads its inputs with the strides it was traced with: a column of a wider
-        # tensor (a chain's last drafted token) is copied
-        args = [hidden.contiguous(), tokens.contiguous(), positions, write_positions, mask, k, v, pick]
+        # tensor is copied (never the cache rows k and v, which it writes in place)
+        args = [
+            hidden.contiguous(),
+            tokens.contiguous(),
+            positions,
+            write_positions,
+            mask,
+            k,
+            v,
+            pick.contiguous(),
+        ]
         out, logits = run([*(state[n] for n in self.names), *args])
         return out, logits
 
@@ -149,8 +161,9 @@ def draft_arch(dtype: torch.dtype, state: dict[str, torch.Tensor]) -> tuple[obje
 
     def shape(name: str, t: torch.Tensor) -> tuple[int | None, ...]:
         dims: list[int | None] = list(t.shape)
-        if name in _VOCAB_DIMS:
-            dims[_VOCAB_DIMS[name]] = None
+        i = _VOCAB_DIMS.get(name)
+        if i is not None and 16 <= t.shape[i] <= _LIMIT:  # the packages' range of it
+            dims[i] = None
         return tuple(dims)
 
     return (dtype, *((k, t.dtype, shape(k, t)) for k, t in sorted(state.items())))

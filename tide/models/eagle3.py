@@ -285,7 +285,8 @@ class Eagle3Draft(nn.Module):
     def forward(
         self, hidden: torch.Tensor, tokens: torch.Tensor, batch: Batch, cache: DraftKV
     ) -> torch.Tensor:
-        """hidden (B, T, d): fc(aux) or the previous step's output; tokens (B, T): the next tokens."""
+        """hidden (B, T, d): fc(aux) or the previous step's output; tokens (B, T): the next tokens.
+        (A catch-up or a smoke test: the one row of logits the step also makes is left unused.)"""
         return self.step(hidden, tokens, batch, cache, torch.zeros(hidden.shape[0], dtype=torch.long))[0]
 
     def step(
@@ -313,7 +314,7 @@ class Eagle3Draft(nn.Module):
         """Made again where the head is not the draft's own any more (`int4_draft` swaps it in place)."""
         if not self._layer or self._layer[0].lm_head is not self.lm_head:
             self._layer[:] = [DraftStep(self)]
-            self._layer_state.clear()
+            self._layer_state = {}  # a new dict: a compiled step checks a state once per dict
         return self._layer[0]
 
     @property

@@ -64,7 +64,7 @@ class Target:
         return self.model.cfg
 
     def compile(self) -> bool:
-        """Compile the decoder layers, and the layer of its drafts, ahead of time (`tide.models.aot`);
+        """Compile the decoder layers, and its drafts' step, ahead of time (`tide.models.aot`);
         True once the target's run compiled. oneDNN's prepacked weights (bf16 mode) are not graph
         constants to inductor: those stay eager, as do the layers where compiling fails (no C++
         compiler)."""
