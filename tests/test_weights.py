@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -253,7 +254,6 @@ def test_loaded_packages_leave_nothing_in_tmp() -> None:
     node left 280 MB per set): the loader removes this process's folders once the libraries are
     mapped, and the layers still run."""
     import re
-    from pathlib import Path
 
     from tide.models.llama import Batch
 
@@ -313,3 +313,27 @@ def test_a_draft_in_int4_keeps_its_dense_predictions() -> None:
                 for d in (dense, draft)
             ]
         assert float((out[1] - out[0]).norm() / out[0].norm()) < 0.1
+
+
+def test_compiling_the_draft_step_leaves_the_target_embedding_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node compiles in the background while it serves: export swaps traced tensors into the
+    modules it traces, so the draft step is traced on an embedding of its own, never through the
+    target's (which a request may be reading meanwhile)."""
+    from tide.models.aot import CompiledDraftStep
+    from tide.models.eagle3 import DraftConfig
+
+    monkeypatch.setenv("TIDE_CACHE", str(tmp_path))  # nothing cached: every package is traced
+    target = tiny_target(seed=5, scale=2.0)
+    embed = target.model.embed_tokens
+    weight = embed.weight
+    calls: list[object] = []
+    hook = embed.register_forward_hook(lambda m, args, out: calls.append(type(m.weight)))
+    try:
+        step = CompiledDraftStep()
+        step.load(DraftConfig.for_target(target.config, target.fingerprint, 64), embed, target.model.dtype)
+    finally:
+        hook.remove()
+    assert step.runners and len(step.runners) == 4
+    assert calls == [] and embed.weight is weight
