@@ -311,9 +311,9 @@ def _broken(target: Target, how: str) -> Eagle3Draft:
     if how == "raises":
 
         def fail(*_: Any, **__: Any) -> Any:
-            raise RuntimeError("injected: the draft's forward fails")
+            raise RuntimeError("injected: the draft's step fails")
 
-        d.forward = fail
+        d.step = fail
     else:  # its vocabulary map points outside the target's: the verify pass would fail
         d.d2t.fill_(1000)
     return d
