@@ -833,7 +833,9 @@ def bench_spec(
         "tide", "--engine", help="vllm: also vLLM without and with the draft (`make vllm` installs it)"
     ),
     proposer: str = typer.Option(
-        "draft", "--proposer", help="suffix or hybrid: also that proposer, beside the draft alone"
+        "draft",
+        "--proposer",
+        help="suffix or hybrid: also that proposer, at the fixed gamma and adaptive, beside the draft alone",
     ),
 ) -> None:
     """Speculation off, on at a fixed gamma (also with a no-op tap) and adaptive, interleaved in one process."""
@@ -867,6 +869,7 @@ def bench_spec(
     if "proposer" in report:
         summary["proposer_tps"] = report["proposer"]["tokens_per_s"]
         summary["proposer_over_draft"] = report["proposer_over_draft"]
+        summary["adaptive_proposer_speedup"] = report["adaptive_proposer_speedup"]
     for key in ("llama_cpp", "vllm", "vllm_speculative"):
         if key in report:
             summary[f"{key}_tps"] = report[key]["tokens_per_s"]

@@ -2,7 +2,8 @@
 
 Besides a fixed gamma, TIDE's controller serves them too (`adaptive`: it chooses gamma at every step,
 0 where the draft does not pay): on prompts the draft does not fit, its ratio to no speculation is
-what speculation that is off costs (its checks, the controller's own work).
+what speculation that is off costs (its checks, the controller's own work). With `--proposer suffix`
+or `hybrid`, that proposer runs at the fixed gamma and under the controller (`adaptive_proposer`).
 
 Modes run group by group (a group = two batches' worth of prompts), in a rotating order, so a noisy
 neighbour on a shared machine slows every mode alike. Speed is reported as tokens/s per mode and
@@ -151,23 +152,27 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     )
     ecfg = EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=cfg.gamma)
     ccfg = ControllerConfig()
+    served = EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=0, max_gamma=ccfg.max_gamma)
+
+    def node(proposer: str) -> Engine:
+        """What `tide serve --gamma auto --proposer ...` runs: the controller chooses gamma."""
+        return ServingNode.build(
+            target,
+            draft if proposer != "suffix" else None,
+            NodeConfig(
+                dataclasses.replace(served, proposer=proposer),
+                adaptive=ccfg,
+                profile_batches=(1, cfg.batch_size),
+            ),
+        ).engine
+
     engines = {
         "baseline": Engine(
             target, None, EngineConfig(max_batch=cfg.batch_size, max_model_len=max_len, gamma=0)
         ),
         "speculative": Engine(target, draft, ecfg),
         "speculative_tap": Engine(target, draft, ecfg, tap=_noop_tap),
-        "adaptive": ServingNode.build(
-            target,
-            draft,
-            NodeConfig(
-                EngineConfig(
-                    max_batch=cfg.batch_size, max_model_len=max_len, gamma=0, max_gamma=ccfg.max_gamma
-                ),
-                adaptive=ccfg,
-                profile_batches=(1, cfg.batch_size),
-            ),
-        ).engine,
+        "adaptive": node("draft"),
     }
     if cfg.proposer != "draft":
         engines["proposer"] = Engine(
@@ -175,6 +180,7 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
             draft if cfg.proposer == "hybrid" else None,
             dataclasses.replace(ecfg, proposer=cfg.proposer),
         )
+        engines["adaptive_proposer"] = node(cfg.proposer)
     llama = open_llama_cpp(target.path, max_len) if cfg.llama_cpp and target.path.suffix == ".gguf" else None
     vllm = _vllm_engines(cfg, target, max_len, stack) if cfg.engine == "vllm" else {}
     vllm_runs: dict[str, list[VllmResult]] = {name: [] for name in vllm}
@@ -205,6 +211,7 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     group_speedups: list[float] = []
     adaptive_speedups: list[float] = []
     proposer_ratios: list[float] = []  # per group: the proposer's engine over the draft alone
+    adaptive_proposer_speedups: list[float] = []
     modes = list(results)
     for gi, group in enumerate(tqdm(groups, desc="bench spec", unit="batch")):
         per_group: dict[str, ModeResult] = {}
@@ -233,6 +240,9 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         group_speedups.append(per_group["speculative"].tokens_per_s / per_group["baseline"].tokens_per_s)
         if "proposer" in per_group:
             proposer_ratios.append(per_group["proposer"].tokens_per_s / per_group["speculative"].tokens_per_s)
+            adaptive_proposer_speedups.append(
+                per_group["adaptive_proposer"].tokens_per_s / per_group["baseline"].tokens_per_s
+            )
         adaptive_speedups.append(per_group["adaptive"].tokens_per_s / per_group["baseline"].tokens_per_s)
 
     matches, gaps = _greedy_agreement(target, prompts, outputs["baseline"], outputs["speculative"])
@@ -315,6 +325,16 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         report["proposer_over_draft_by_group"] = proposer_ratios
         same, _ = _greedy_agreement(target, prompts, outputs["baseline"], outputs["proposer"])
         report["proposer_greedy_match_rate"] = sum(same) / len(same)
+        report["adaptive_proposer"] = _proposer_report(
+            cfg.proposer,
+            engines["adaptive_proposer"],
+            results["adaptive_proposer"],
+            decoded["adaptive_proposer"],
+        )
+        report["adaptive_proposer_speedup"] = results["adaptive_proposer"].tokens_per_s / base_tps
+        report["adaptive_proposer_speedup_by_group"] = adaptive_proposer_speedups
+        same, _ = _greedy_agreement(target, prompts, outputs["baseline"], outputs["adaptive_proposer"])
+        report["adaptive_proposer_greedy_match_rate"] = sum(same) / len(same)
     if llama is not None:
         report["llama_cpp"] = {
             "tokens_per_s": results["llama_cpp"].tokens_per_s,
@@ -380,7 +400,8 @@ def plot_spec_report(report: dict[str, Any], path: Path) -> None:
         ("baseline", "no spec.", "#888"),
         ("speculative", f"γ {report['gamma']}", "#2a7"),
         ("adaptive", "adaptive", "#a72"),
-        ("proposer", report.get("proposer", {}).get("name", ""), "#c5a"),
+        ("proposer", f"{report.get('proposer', {}).get('name', '')} γ {report['gamma']}", "#c5a"),
+        ("adaptive_proposer", f"adaptive {report.get('proposer', {}).get('name', '')}", "#e8c"),
         ("llama_cpp", "llama.cpp", "#47a"),
         ("vllm", "vLLM", "#bbb"),
         ("vllm_speculative", f"vLLM γ {report['gamma']}", "#7c9"),
@@ -388,11 +409,17 @@ def plot_spec_report(report: dict[str, Any], path: Path) -> None:
     shown = [(label, report[key]["tokens_per_s"], colour) for key, label, colour in systems if key in report]
     bars = ax1.bar([x[0] for x in shown], [x[1] for x in shown], color=[x[2] for x in shown])
     ax1.bar_label(bars, fmt="%.1f")
-    ax1.tick_params(axis="x", labelsize=8)
+    ax1.tick_params(axis="x", labelsize=8, labelrotation=20)
     ax1.set_ylabel("tokens/s")
+    best = (
+        f", adaptive {name} {report['adaptive_proposer_speedup']:.2f}x"
+        if (name := report.get("proposer", {}).get("name")) and "adaptive_proposer_speedup" in report
+        else ""  # reports from before the proposer ran under the controller too
+    )
     ax1.set_title(
         f"batch {report['batch_size']}, {report.get('weights', report['dtype'])}: {report['speedup']:.2f}x, "
-        f"adaptive {report['adaptive_speedup']:.2f}x"
+        f"adaptive {report['adaptive_speedup']:.2f}x{best}",
+        fontsize=10,
     )
     engines = [("TIDE", report["speculative"], "#2a7")]
     if "accept_rate_by_depth" in report.get("vllm_speculative", {}):
