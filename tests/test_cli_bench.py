@@ -54,7 +54,7 @@ def test_bench_spec_report(trained_draft_dir: Path, tmp_path: Path) -> None:
         and h["suffix_share"] + h["draft_share"] > 0
     )
     assert 0 <= r["proposer_greedy_match_rate"] <= 1  # bf16 parts at near-ties; fp32 is test_lossless's
-    # and the same proposer under the controller, as `tide serve --proposer hybrid` runs it
+    # and the same proposer under the controller, as `tide serve --gamma auto --proposer hybrid` runs it
     a = r["adaptive_proposer"]
     assert a["name"] == "hybrid" and a["tokens_per_s"] > 0 and r["adaptive_proposer_speedup"] > 0
     assert len(r["adaptive_proposer_speedup_by_group"]) == 1 and 0 <= a["suffix_share"] <= 1

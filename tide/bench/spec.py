@@ -158,7 +158,7 @@ def _run(cfg: SpecBenchConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         """What `tide serve --gamma auto --proposer ...` runs: the controller chooses gamma."""
         return ServingNode.build(
             target,
-            draft if proposer != "suffix" else None,
+            draft,  # loaded with --gamma auto whatever the proposer, as `tide serve` does
             NodeConfig(
                 dataclasses.replace(served, proposer=proposer),
                 adaptive=ccfg,
@@ -411,14 +411,14 @@ def plot_spec_report(report: dict[str, Any], path: Path) -> None:
     ax1.bar_label(bars, fmt="%.1f")
     ax1.tick_params(axis="x", labelsize=8, labelrotation=20)
     ax1.set_ylabel("tokens/s")
-    best = (
+    served = (
         f", adaptive {name} {report['adaptive_proposer_speedup']:.2f}x"
         if (name := report.get("proposer", {}).get("name")) and "adaptive_proposer_speedup" in report
         else ""  # reports from before the proposer ran under the controller too
     )
     ax1.set_title(
         f"batch {report['batch_size']}, {report.get('weights', report['dtype'])}: {report['speedup']:.2f}x, "
-        f"adaptive {report['adaptive_speedup']:.2f}x{best}",
+        f"adaptive {report['adaptive_speedup']:.2f}x{served}",
         fontsize=10,
     )
     engines = [("TIDE", report["speculative"], "#2a7")]
