@@ -396,12 +396,13 @@ def plot_spec_report(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    proposer = report.get("proposer", {}).get("name", "")
     systems = [  # report key, label, colour
         ("baseline", "no spec.", "#888"),
         ("speculative", f"γ {report['gamma']}", "#2a7"),
         ("adaptive", "adaptive", "#a72"),
-        ("proposer", f"{report.get('proposer', {}).get('name', '')} γ {report['gamma']}", "#c5a"),
-        ("adaptive_proposer", f"adaptive {report.get('proposer', {}).get('name', '')}", "#e8c"),
+        ("proposer", f"{proposer} γ {report['gamma']}", "#c5a"),
+        ("adaptive_proposer", f"adaptive {proposer}", "#e8c"),
         ("llama_cpp", "llama.cpp", "#47a"),
         ("vllm", "vLLM", "#bbb"),
         ("vllm_speculative", f"vLLM γ {report['gamma']}", "#7c9"),
@@ -412,9 +413,9 @@ def plot_spec_report(report: dict[str, Any], path: Path) -> None:
     ax1.tick_params(axis="x", labelsize=8, labelrotation=20)
     ax1.set_ylabel("tokens/s")
     served = (
-        f", adaptive {name} {report['adaptive_proposer_speedup']:.2f}x"
-        if (name := report.get("proposer", {}).get("name")) and "adaptive_proposer_speedup" in report
-        else ""  # reports from before the proposer ran under the controller too
+        f", adaptive {proposer} {report['adaptive_proposer_speedup']:.2f}x"
+        if "adaptive_proposer_speedup" in report  # not in reports from before it ran under the controller
+        else ""
     )
     ax1.set_title(
         f"batch {report['batch_size']}, {report.get('weights', report['dtype'])}: {report['speedup']:.2f}x, "
