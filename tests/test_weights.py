@@ -289,6 +289,24 @@ def test_a_damaged_compiled_package_is_built_again() -> None:
     assert damaged.stat().st_size > 1000
 
 
+def test_a_failing_compiler_leaves_the_layers_eager_and_nothing_in_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A package's compile process that fails (here: no C++ compiler) is a warning, not a crash: the
+    target runs its eager layers and the cache keeps no exported or half-built file."""
+    from tide.config import cache_dir
+
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # what the compile processes inherit
+    target = tiny_target(seed=7, scale=2.0)  # weights no other test compiled
+    target.weights = quantize_linears(target.model, "int4")
+    assert not target.compile() and target.model.compiled is None
+    folder = cache_dir() / "compiled" / package_key(target.model.stack)
+    assert folder.is_dir() and not any(folder.iterdir())
+    engine = Engine(target, None, EngineConfig(max_batch=1, max_model_len=64, gamma=0))
+    [seq] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(seq.output) == 4
+
+
 def test_a_draft_in_int4_keeps_its_dense_predictions() -> None:
     """`int4_draft` (how a node serves every draft) replaces each linear the kernel takes and leaves
     the rest dense (a head of 8 rows: its packing wants outputs in 16s); the step's logits stay

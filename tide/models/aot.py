@@ -21,6 +21,9 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -102,10 +105,10 @@ class CompiledDraftStep:
         h = _code_hash(_DRAFT_SOURCES)
         h.update(repr((arch, cfg.rms_eps)).encode())  # the norms' epsilon is compiled in
 
-        def build(shape: Shape, path: Path) -> None:
-            _build(_Stateless(template.layer), _draft_example(template, shape), path)
+        def export(shape: Shape) -> torch.export.ExportedProgram:
+            return _export(_Stateless(template.layer), _draft_example(template, shape))
 
-        runners = _packages(cache_dir() / "compiled" / f"draft-{h.hexdigest()[:20]}", build)
+        runners = _packages(cache_dir() / "compiled" / f"draft-{h.hexdigest()[:20]}", export)
         self.arch, self.names = arch, list(template.layer_state)
         self.runners = runners  # last: a reader sees none or all
 
@@ -236,22 +239,45 @@ def _draft_example(draft: Eagle3Draft, shape: Shape) -> tuple[tuple[object, ...]
     )
 
 
-def _build(
-    module: torch.nn.Module, example: tuple[tuple[object, ...], tuple[object, ...]], path: Path
-) -> None:
+def _export(
+    module: torch.nn.Module, example: tuple[tuple[object, ...], tuple[object, ...]]
+) -> torch.export.ExportedProgram:
     args, dynamic = example
     with torch.no_grad():
-        program = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
-        partial = path.with_suffix(f".{os.getpid()}.partial.pt2")
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
-    os.replace(partial, path)  # whole or absent: another process may be building the same package
+        return torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
 
 
-def _packages(folder: Path, build: Callable[[Shape, Path], None]) -> dict[Shape, Package]:
-    """Load a package for each shape class from `folder`, building the missing or damaged ones."""
+def _compile_apart(program: torch.export.ExportedProgram, path: Path) -> Callable[[], None]:
+    """Start compiling `program` into `path` in a process of its own; returns the wait for it.
+    Half of a compile is the C++ compiler, the rest inductor's Python: processes, not threads, let
+    the shape classes compile side by side (`docs/experiments.md`)."""
+    stem = f"{path.stem}.{os.getpid()}.{threading.get_ident()}"
+    exported, partial = path.with_name(f"{stem}.export.pt2"), path.with_name(f"{stem}.partial.pt2")
+    torch.export.save(program, exported)
+    cmd = [sys.executable, "-m", "tide.models.aot", str(exported), str(partial)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait() -> None:
+        try:
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(f"compiling {path.name} failed: {err.decode(errors='replace')[-2000:]}")
+            os.replace(partial, path)  # whole or absent: another process may be building the same package
+        finally:
+            exported.unlink(missing_ok=True)
+            partial.unlink(missing_ok=True)
+
+    return wait
+
+
+def _packages(folder: Path, export: Callable[[Shape], torch.export.ExportedProgram]) -> dict[Shape, Package]:
+    """Load a package for each shape class from `folder`, building the missing or damaged ones:
+    exported here one after another, each compiled in a process of its own, as many at once as
+    there are cores."""
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runners: dict[Shape, Package] = {}
+    missing: list[tuple[Shape, Path]] = []
     for shape in SHAPES:
         path = folder / f"rows{'N' if shape[0] else '1'}-tokens{'N' if shape[1] else '1'}.pt2"
         if path.exists():
@@ -260,7 +286,17 @@ def _packages(folder: Path, build: Callable[[Shape, Path], None]) -> dict[Shape,
                 continue
             except Exception as e:  # a damaged file: built again rather than eager on every start
                 log.warning("compiled package %s unreadable (%s): compiling it again", path, e)
-        build(shape, path)
+        missing.append((shape, path))
+    waits: list[Callable[[], None]] = []
+    try:
+        for shape, path in missing:
+            if len(waits) >= (os.cpu_count() or 1):
+                waits.pop(0)()
+            waits.append(_compile_apart(export(shape), path))
+    finally:
+        for wait in waits:
+            wait()
+    for shape, path in missing:
         runners[shape] = _load(path)
     log.info("compiled ahead of time: %s (%.0f s)", folder.name, time.perf_counter() - start)
     return runners
@@ -285,9 +321,26 @@ def _load(path: Path) -> Package:
 def compile_stack(model: LlamaModel) -> CompiledStack:
     """Load the model's packages, compiling the missing ones first (raises what the toolchain raises)."""
 
-    def build(shape: Shape, path: Path) -> None:
+    def export(shape: Shape) -> torch.export.ExportedProgram:
         # a copy: export swaps a module's weights for traced ones while it runs, and a serving node
         # compiling in the background runs the model's own layers meanwhile
-        _build(copy.deepcopy(model.stack), _example(model, shape), path)
+        return _export(copy.deepcopy(model.stack), _example(model, shape))
 
-    return CompiledStack(_packages(cache_dir() / "compiled" / package_key(model.stack), build))
+    return CompiledStack(_packages(cache_dir() / "compiled" / package_key(model.stack), export))
+
+
+def _compile_main(exported: str, partial: str) -> None:
+    """A compile process (`_compile_apart`): it dies with the thread that started it, so a node
+    killed while compiling leaves no compiler running."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: left to the process group
+        pass
+    torch._inductor.aoti_compile_and_package(torch.export.load(exported), package_path=partial)
+
+
+if __name__ == "__main__":
+    _compile_main(*sys.argv[1:])
