@@ -295,8 +295,10 @@ def test_a_failing_compiler_leaves_the_layers_eager_and_nothing_in_the_cache(
     """A package's compile process that fails (here: no C++ compiler) is a warning, not a crash: the
     target runs its eager layers and the cache keeps no exported or half-built file."""
     from tide.config import cache_dir
+    from tide.models import aot
 
     monkeypatch.setenv("CXX", "/nonexistent/c++")  # what the compile processes inherit
+    monkeypatch.setattr(aot, "_workers", lambda: 4)  # every package's compile at once, failing
     target = tiny_target(seed=7, scale=2.0)  # weights no other test compiled
     target.weights = quantize_linears(target.model, "int4")
     assert not target.compile() and target.model.compiled is None

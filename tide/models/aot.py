@@ -15,6 +15,7 @@ layers would be copied whole on every call.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -23,8 +24,8 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -247,27 +248,44 @@ def _export(
         return torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
 
 
-def _compile_apart(program: torch.export.ExportedProgram, path: Path) -> Callable[[], None]:
-    """Start compiling `program` into `path` in a process of its own; returns the wait for it.
-    Half of a compile is the C++ compiler, the rest inductor's Python: processes, not threads, let
-    the shape classes compile side by side (`docs/experiments.md`)."""
-    stem = f"{path.stem}.{os.getpid()}.{threading.get_ident()}"
-    exported, partial = path.with_name(f"{stem}.export.pt2"), path.with_name(f"{stem}.partial.pt2")
+def _compile_apart(program: torch.export.ExportedProgram, path: Path) -> Callable[[bool], None]:
+    """Start compiling `program` into `path` in a process of its own; returns the wait for it
+    (`wait(False)` stops it instead). Half of a compile is the C++ compiler, the rest inductor's
+    Python: processes, not threads, let the shape classes compile side by side (`docs/experiments.md`)."""
+    stem = f"{path.stem}.{uuid.uuid4().hex}"  # unique across nodes sharing one cache volume
+    exported, partial, errors = (
+        path.with_name(f"{stem}.{end}") for end in ("export.pt2", "partial.pt2", "log")
+    )
     torch.export.save(program, exported)
-    cmd = [sys.executable, "-m", "tide.models.aot", str(exported), str(partial)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # -P: the installed package, never a `tide` folder in the working directory
+    cmd = [sys.executable, "-P", "-m", "tide.models.aot", str(os.getpid()), str(exported), str(partial)]
+    with errors.open("wb") as err:  # a file, not a pipe: a chatty compiler never blocks on it
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
 
-    def wait() -> None:
+    def wait(finish: bool = True) -> None:
         try:
-            _, err = proc.communicate()
-            if proc.returncode != 0:
-                raise RuntimeError(f"compiling {path.name} failed: {err.decode(errors='replace')[-2000:]}")
-            os.replace(partial, path)  # whole or absent: another process may be building the same package
+            if not finish:
+                proc.kill()
+            proc.wait()
+            if finish and proc.returncode != 0:
+                tail = errors.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"compiling {path.name} failed: {tail}")
+            if finish:
+                os.replace(partial, path)  # whole or absent: another process may build the same package
+        except BaseException:
+            proc.kill()  # interrupted: a compile left running would write into the cache later
+            proc.wait()
+            raise
         finally:
-            exported.unlink(missing_ok=True)
-            partial.unlink(missing_ok=True)
+            for f in (exported, partial, errors):
+                f.unlink(missing_ok=True)
 
     return wait
+
+
+def _workers() -> int:
+    """Compile processes at once: the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _packages(folder: Path, export: Callable[[Shape], torch.export.ExportedProgram]) -> dict[Shape, Package]:
@@ -287,15 +305,17 @@ def _packages(folder: Path, export: Callable[[Shape], torch.export.ExportedProgr
             except Exception as e:  # a damaged file: built again rather than eager on every start
                 log.warning("compiled package %s unreadable (%s): compiling it again", path, e)
         missing.append((shape, path))
-    waits: list[Callable[[], None]] = []
+    waits: list[Callable[[bool], None]] = []
     try:
         for shape, path in missing:
-            if len(waits) >= (os.cpu_count() or 1):
-                waits.pop(0)()
+            if len(waits) >= _workers():
+                waits.pop(0)(True)
             waits.append(_compile_apart(export(shape), path))
-    finally:
+        while waits:
+            waits.pop(0)(True)
+    finally:  # a failure: the compiles still running are stopped, and leave nothing
         for wait in waits:
-            wait()
+            wait(False)
     for shape, path in missing:
         runners[shape] = _load(path)
     log.info("compiled ahead of time: %s (%.0f s)", folder.name, time.perf_counter() - start)
@@ -329,18 +349,19 @@ def compile_stack(model: LlamaModel) -> CompiledStack:
     return CompiledStack(_packages(cache_dir() / "compiled" / package_key(model.stack), export))
 
 
-def _compile_main(exported: str, partial: str) -> None:
-    """A compile process (`_compile_apart`): it dies with the thread that started it, so a node
-    killed while compiling leaves no compiler running."""
-    try:
-        import ctypes
-        import signal
+def _compile_main(parent: str, exported: str, partial: str) -> None:
+    """A compile process (`_compile_apart`): killed with the thread that started it, so a node
+    killed while compiling leaves no compile running."""
+    import ctypes
+    import signal
 
+    # not Linux: a compile whose node died runs on, and its package is unused
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: left to the process group
-        pass
+    if os.getppid() != int(parent):  # the parent died before the signal was asked for
+        return
     torch._inductor.aoti_compile_and_package(torch.export.load(exported), package_path=partial)
 
 
 if __name__ == "__main__":
-    _compile_main(*sys.argv[1:])
+    _compile_main(*sys.argv[1:4])
