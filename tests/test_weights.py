@@ -142,35 +142,40 @@ def test_greedy_speculation_is_lossless_in_each_weight_mode(mode: str, compiled:
 def test_compiled_layers_match_the_eager_layers_in_each_shape_class() -> None:
     """The packages compiled ahead of time (`tide.models.aot`) give the eager layers' outputs and
     cache writes for decode, verify and prefill at batch 1 and 2; a pass with a single key, which
-    no package covers, is left to the eager layers."""
+    no package covers, is left to the eager layers. The weights are an input: two targets of one
+    architecture share the packages, and each gets its own layers' outputs."""
     from tide.models.llama import Batch
 
-    target = tiny_target(seed=5, scale=2.0)
-    target.weights = quantize_linears(target.model, "int4")
-    assert target.compile()
-    model, compiled = target.model, target.model.compiled
-    assert compiled is not None
-    g = torch.Generator().manual_seed(1)
-    for b, t, start in ((1, 1, 7), (1, 4, 7), (2, 1, 9), (2, 3, 9), (1, 12, 0)):
-        caches = [model.new_cache(3, 40) for _ in range(2)]
-        for c in caches[1:]:
-            c.k.copy_(caches[0].k.normal_(generator=g))
-            c.v.copy_(caches[0].v.normal_(generator=g))
-        pos = (start + torch.arange(t)).repeat(b, 1)
-        batch = Batch.make(1, pos, None, 40)
-        x = torch.randn(b, t, model.cfg.hidden_size, generator=g)
-        with torch.inference_mode():  # as the engine calls them
-            eager = model.stack(x, pos, batch.write_positions, batch.mask, *caches[0].rows(1, b))
-            got = compiled(x, pos, batch.write_positions, batch.mask, *caches[1].rows(1, b))
-        assert got is not None, (b, t)
-        torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-4, atol=1e-4)
-    first = Batch.make(0, torch.zeros(1, 1, dtype=torch.long), None, 40)
-    ks, vs = model.new_cache(1, 40).rows(0, 1)
-    x = torch.randn(1, 1, model.cfg.hidden_size)
-    with torch.inference_mode():
-        assert compiled(x, first.positions, first.write_positions, first.mask, ks, vs) is None
+    keys = set()
+    for seed in (5, 6):
+        target = tiny_target(seed=seed, scale=2.0)
+        target.weights = quantize_linears(target.model, "int4")
+        assert target.compile()
+        model, compiled = target.model, target.model.compiled
+        assert compiled is not None
+        g = torch.Generator().manual_seed(1)
+        for b, t, start in ((1, 1, 7), (1, 4, 7), (2, 1, 9), (2, 3, 9), (1, 12, 0)):
+            caches = [model.new_cache(3, 40) for _ in range(2)]
+            for c in caches[1:]:
+                c.k.copy_(caches[0].k.normal_(generator=g))
+                c.v.copy_(caches[0].v.normal_(generator=g))
+            pos = (start + torch.arange(t)).repeat(b, 1)
+            batch = Batch.make(1, pos, None, 40)
+            x = torch.randn(b, t, model.cfg.hidden_size, generator=g)
+            with torch.inference_mode():  # as the engine calls them
+                eager = model.stack(x, pos, batch.write_positions, batch.mask, *caches[0].rows(1, b))
+                got = compiled(x, pos, batch.write_positions, batch.mask, *caches[1].rows(1, b))
+            assert got is not None, (b, t)
+            torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-4, atol=1e-4)
+        first = Batch.make(0, torch.zeros(1, 1, dtype=torch.long), None, 40)
+        ks, vs = model.new_cache(1, 40).rows(0, 1)
+        x = torch.randn(1, 1, model.cfg.hidden_size)
+        with torch.inference_mode():
+            assert compiled(x, first.positions, first.write_positions, first.mask, ks, vs) is None
+        keys.add(package_key(target.model))
+    assert len(keys) == 1
 
 
 def test_the_compiled_draft_step_matches_the_eager_step_for_any_draft() -> None:
@@ -281,7 +286,7 @@ def test_a_damaged_compiled_package_is_built_again() -> None:
     target = tiny_target(seed=5, scale=2.0)
     target.weights = quantize_linears(target.model, "int4")
     assert target.compile()
-    (damaged,) = (cache_dir() / "compiled").glob(f"{package_key(target.model.stack)}/rows1-tokens1.pt2")
+    (damaged,) = (cache_dir() / "compiled").glob(f"{package_key(target.model)}/rows1-tokens1.pt2")
     damaged.write_bytes(b"not a package")
     again = tiny_target(seed=5, scale=2.0)
     again.weights = quantize_linears(again.model, "int4")
@@ -289,20 +294,35 @@ def test_a_damaged_compiled_package_is_built_again() -> None:
     assert damaged.stat().st_size > 1000
 
 
-def test_a_failing_compiler_leaves_the_layers_eager_and_nothing_in_the_cache(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("failure", ["compiler", "disk"])
+def test_a_failing_compile_leaves_the_layers_eager_and_nothing_in_the_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, failure: str
 ) -> None:
-    """A package's compile process that fails (here: no C++ compiler) is a warning, not a crash: the
-    target runs its eager layers and the cache keeps no exported or half-built file."""
+    """A package's compile that fails is a warning, not a crash: the target runs its eager layers and
+    the cache keeps no exported or half-built file. Failing: the compile processes (no C++ compiler),
+    or saving the second export (a full disk) while the first one's compile runs."""
     from tide.config import cache_dir
     from tide.models import aot
 
-    monkeypatch.setenv("CXX", "/nonexistent/c++")  # what the compile processes inherit
-    monkeypatch.setattr(aot, "_workers", lambda: 4)  # every package's compile at once, failing
-    target = tiny_target(seed=7, scale=2.0)  # weights no other test compiled
+    monkeypatch.setenv("TIDE_CACHE", str(tmp_path))  # no package of this architecture yet
+    monkeypatch.setattr(aot, "_workers", lambda: 4)  # every package's compile at once
+    if failure == "compiler":
+        monkeypatch.setenv("CXX", "/nonexistent/c++")  # what the compile processes inherit
+    else:
+        save, saved = torch.export.save, list[Path]()
+
+        def full_disk(program: torch.export.ExportedProgram, f: Path) -> None:
+            if saved:
+                Path(f).write_bytes(b"half an export")
+                raise OSError(28, "No space left on device")
+            saved.append(f)
+            save(program, f)
+
+        monkeypatch.setattr(aot.torch.export, "save", full_disk)
+    target = tiny_target(seed=7, scale=2.0)
     target.weights = quantize_linears(target.model, "int4")
     assert not target.compile() and target.model.compiled is None
-    folder = cache_dir() / "compiled" / package_key(target.model.stack)
+    folder = cache_dir() / "compiled" / package_key(target.model)
     assert folder.is_dir() and not any(folder.iterdir())
     engine = Engine(target, None, EngineConfig(max_batch=1, max_model_len=64, gamma=0))
     [seq] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))

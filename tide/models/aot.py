@@ -7,10 +7,12 @@ package of its own: one row or more, one token or more (decode, verify and prefi
 above); keys and cache capacity are dynamic. A pass outside every class (a first token with no
 keys before it, or a cache past `_LIMIT` positions) runs the same layers eagerly.
 
-The weights are compiled into the packages, so they are kept per weight content under
-`cache_dir()/compiled`: the first compile of a target takes minutes, later loads under a second.
-Each layer's cache rows are an input of their own, written in place: a view into one cache for all
-layers would be copied whole on every call.
+The weights are an input, as a draft step's are: packages are kept per architecture (the config,
+each weight's name, dtype and shape) under `cache_dir()/compiled`, so a process holds one copy of
+its weights and every target of an architecture and weight mode shares one compile (minutes the
+first time, later loads under a second). A tensor every layer has alike is one input for all layers
+(`_restack`): a call pays for each input. Each layer's cache rows are an input of their own, written
+in place: a view into one cache for all layers would be copied whole on every call.
 """
 
 from __future__ import annotations
@@ -51,10 +53,11 @@ _VOCAB_DIMS = {"lm_head.qweight": 0, "lm_head.scales_and_zeros": 1}
 
 
 class CompiledStack:
-    """`DecoderStack`'s call through the compiled packages; None where no package covers the shape."""
+    """`DecoderStack`'s call through the compiled packages; None where no package covers the shape.
+    `weights`: the stack's tensors as the packages take them (`_restack`), in their input order."""
 
-    def __init__(self, runners: dict[Shape, Package]):
-        self.runners = runners
+    def __init__(self, runners: dict[Shape, Package], weights: list[torch.Tensor]):
+        self.runners, self.weights = runners, weights
 
     def __call__(
         self,
@@ -68,7 +71,7 @@ class CompiledStack:
         run = _runner(self.runners, positions, mask, ks[0])
         if run is None:
             return None
-        x, aux = run([x, positions, write_positions, mask, *ks, *vs])
+        x, aux = run([*self.weights, x, positions, write_positions, mask, *ks, *vs])
         return x, aux
 
 
@@ -149,14 +152,20 @@ class CompiledDraftStep:
 
 
 class _Stateless(torch.nn.Module):
-    """A module's call with its tensors as an input (`torch.func.functional_call`)."""
+    """A module's call with its tensors as an input (`torch.func.functional_call`). `stacked`: an
+    input that holds one tensor per layer along its first dimension, and the names they stand for."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, stacked: dict[str, list[str]] | None = None):
         super().__init__()
         self._module = [module]  # not a submodule: its tensors must not be baked into the package
+        self.stacked = stacked or {}
 
     def forward(self, state: dict[str, torch.Tensor], args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return torch.func.functional_call(self._module[0], state, args)
+        tensors: dict[str, torch.Tensor] = {}
+        for key, t in state.items():
+            names = self.stacked.get(key)
+            tensors.update(zip(names, t.unbind(0), strict=True) if names else ((key, t),))
+        return torch.func.functional_call(self._module[0], tensors, args)
 
 
 def draft_arch(dtype: torch.dtype, state: dict[str, torch.Tensor]) -> tuple[object, ...]:
@@ -173,13 +182,50 @@ def draft_arch(dtype: torch.dtype, state: dict[str, torch.Tensor]) -> tuple[obje
     return (dtype, *((k, t.dtype, shape(k, t)) for k, t in sorted(state.items())))
 
 
-def package_key(stack: DecoderStack) -> str:
-    """What a package depends on: the weights' bytes and dtypes, the code, torch and the CPU's kernels."""
+def package_key(model: LlamaModel) -> str:
+    """What the stack's packages depend on: the config, each weight's name, dtype and shape, the
+    layers' kinds, the code, torch and the CPU's kernels; not the weights' values (an input)."""
     h = _code_hash(_STACK_SOURCES)
-    for name, t in sorted(stack.state_dict().items()):
+    h.update(repr((model.cfg, str(model.stack))).encode())
+    for name, t in stack_state(model.stack).items():
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:20]
+
+
+def stack_state(stack: DecoderStack) -> dict[str, torch.Tensor]:
+    """The tensors the stack reads, by name."""
+    return {**dict(stack.named_parameters()), **dict(stack.named_buffers())}
+
+
+def _restack(stack: DecoderStack) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """The packages' first inputs: each tensor every layer has alike (name, dtype, shape) as one
+    tensor for all layers, stacked along a first dimension, and the rest by name; with the names
+    each stacked input stands for. The layers' own tensors become views into the stacked ones, so
+    the process keeps one copy. A package's call costs about 0.7 µs an input: the default model's
+    300 tensors were 2–4% of a step, its 12 inputs are not (`docs/experiments.md`)."""
+    state = stack_state(stack)
+    kinds: dict[str, list[str]] = {}
+    for name in state:
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if m:
+            kinds.setdefault(m[2], []).append(name)
+    inputs, stacked = {}, {}
+    for kind, names in kinds.items():
+        ts = [state[n] for n in names]
+        if len(ts) != len(stack.layers) or any(t.dtype != ts[0].dtype or t.shape != ts[0].shape for t in ts):
+            continue
+        key = f"layers.*.{kind}"
+        inputs[key], stacked[key] = torch.stack([t.detach() for t in ts]), names
+        for name, view, old in zip(names, inputs[key].unbind(0), ts, strict=True):
+            path, _, leaf = name.rpartition(".")
+            module = stack.get_submodule(path)
+            if leaf in module._parameters:
+                module._parameters[leaf] = torch.nn.Parameter(view, requires_grad=old.requires_grad)
+            else:
+                module._buffers[leaf] = view
+    taken = {n for names in stacked.values() for n in names}
+    inputs.update((n, t) for n, t in state.items() if n not in taken)
+    return inputs, stacked
 
 
 def _code_hash(sources: tuple[str, ...]) -> hashlib._Hash:
@@ -210,7 +256,7 @@ def _example_batch(shape: Shape, capacity: int) -> tuple[int, int, Batch]:
 
 
 def _example(model: LlamaModel, shape: Shape) -> tuple[tuple[object, ...], tuple[object, ...]]:
-    """Inputs to trace the stack with, and which of their sizes are dynamic."""
+    """Arguments to trace the stack with, and which of their sizes are dynamic."""
     b, t, batch = _example_batch(shape, 32)
     ks, vs = model.new_cache(b, 32).rows(0, b)
     x = torch.zeros(b, t, model.cfg.hidden_size, dtype=model.dtype)
@@ -256,27 +302,28 @@ def _compile_apart(program: torch.export.ExportedProgram, path: Path) -> Callabl
     exported, partial, errors = (
         path.with_name(f"{stem}.{end}") for end in ("export.pt2", "partial.pt2", "log")
     )
-    torch.export.save(program, exported)
-    # -P: the installed package, never a `tide` folder in the working directory
-    cmd = [sys.executable, "-P", "-m", "tide.models.aot", str(os.getpid()), str(exported), str(partial)]
-    with errors.open("wb") as err:  # a file, not a pipe: a chatty compiler never blocks on it
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        torch.export.save(program, exported)
+        # -P: the installed package, never a `tide` folder in the working directory
+        cmd = [sys.executable, "-P", "-m", "tide.models.aot", str(os.getpid()), str(exported), str(partial)]
+        with errors.open("wb") as err:  # a file, not a pipe: a chatty compiler never blocks on it
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    except BaseException:  # a full disk, say: nothing is left in the cache
+        for f in (exported, errors):
+            f.unlink(missing_ok=True)
+        raise
 
     def wait(finish: bool = True) -> None:
         try:
-            if not finish:
-                proc.kill()
-            proc.wait()
-            if finish and proc.returncode != 0:
-                tail = errors.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"compiling {path.name} failed: {tail}")
             if finish:
+                if proc.wait() != 0:
+                    raise RuntimeError(
+                        f"compiling {path.name} failed: {errors.read_text(errors='replace')[-2000:]}"
+                    )
                 os.replace(partial, path)  # whole or absent: another process may build the same package
-        except BaseException:
-            proc.kill()  # interrupted: a compile left running would write into the cache later
+        finally:  # stopped, failed or interrupted: a compile left running would write into the cache later
+            proc.kill()  # nothing, once it has exited
             proc.wait()
-            raise
-        finally:
             for f in (exported, partial, errors):
                 f.unlink(missing_ok=True)
 
@@ -341,12 +388,17 @@ def _load(path: Path) -> Package:
 def compile_stack(model: LlamaModel) -> CompiledStack:
     """Load the model's packages, compiling the missing ones first (raises what the toolchain raises)."""
 
+    inputs, stacked = _restack(model.stack)
+
     def export(shape: Shape) -> torch.export.ExportedProgram:
         # a copy: export swaps a module's weights for traced ones while it runs, and a serving node
         # compiling in the background runs the model's own layers meanwhile
-        return _export(copy.deepcopy(model.stack), _example(model, shape))
+        args, dynamic = _example(model, shape)
+        module = _Stateless(copy.deepcopy(model.stack), stacked)
+        return _export(module, ((inputs, args), (dict.fromkeys(inputs), dynamic)))
 
-    return CompiledStack(_packages(cache_dir() / "compiled" / package_key(model.stack), export))
+    runners = _packages(cache_dir() / "compiled" / package_key(model), export)
+    return CompiledStack(runners, list(inputs.values()))
 
 
 def _compile_main(parent: str, exported: str, partial: str) -> None:

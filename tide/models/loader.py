@@ -65,9 +65,8 @@ class Target:
 
     def compile(self) -> bool:
         """Compile the decoder layers, and its drafts' step, ahead of time (`tide.models.aot`);
-        True once the target's run compiled. oneDNN's prepacked weights (bf16 mode) are not graph
-        constants to inductor: those stay eager, as do the layers where compiling fails (no C++
-        compiler)."""
+        True once the target's run compiled. oneDNN's prepacked weights (bf16 mode) are opaque to
+        inductor: those stay eager, as do the layers where compiling fails (no C++ compiler)."""
         if self.weights == "bf16":
             return False
         try:
