@@ -149,6 +149,10 @@ def test_compiled_layers_match_the_eager_layers_in_each_shape_class() -> None:
     keys = set()
     for seed in (5, 6):
         target = tiny_target(seed=seed, scale=2.0)
+        with torch.no_grad():  # the norms' gains too differ by layer
+            for p in target.model.stack.parameters():
+                if p.dim() == 1:
+                    p.normal_(1.0, 0.1)
         target.weights = quantize_linears(target.model, "int4")
         assert target.compile()
         model, compiled = target.model, target.model.compiled
@@ -174,6 +178,17 @@ def test_compiled_layers_match_the_eager_layers_in_each_shape_class() -> None:
         x = torch.randn(1, 1, model.cfg.hidden_size)
         with torch.inference_mode():
             assert compiled(x, first.positions, first.write_positions, first.mask, ks, vs) is None
+        # one copy of the weights: what changes in the model's layers changes in the compiled ones
+        with torch.no_grad():
+            model.get_parameter("layers.1.input_layernorm.weight").mul_(1.5)
+            model.get_buffer("layers.0.mlp.down_proj.scales_and_zeros").mul_(0.5)
+        batch = Batch.make(1, torch.tensor([[9]]), None, 40)
+        caches = [model.new_cache(3, 40) for _ in range(2)]
+        with torch.inference_mode():
+            eager = model.stack(x, batch.positions, batch.write_positions, batch.mask, *caches[0].rows(1, 1))
+            got = compiled(x, batch.positions, batch.write_positions, batch.mask, *caches[1].rows(1, 1))
+        assert got is not None
+        torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
         keys.add(package_key(target.model))
     assert len(keys) == 1
 
@@ -306,22 +321,24 @@ def test_a_failing_compile_leaves_the_layers_eager_and_nothing_in_the_cache(
 
     monkeypatch.setenv("TIDE_CACHE", str(tmp_path))  # no package of this architecture yet
     monkeypatch.setattr(aot, "_workers", lambda: 4)  # every package's compile at once
+    saved: list[Path] = []
     if failure == "compiler":
         monkeypatch.setenv("CXX", "/nonexistent/c++")  # what the compile processes inherit
     else:
-        save, saved = torch.export.save, list[Path]()
+        save = torch.export.save
 
         def full_disk(program: torch.export.ExportedProgram, f: Path) -> None:
-            if saved:
+            saved.append(f)
+            if len(saved) > 1:
                 Path(f).write_bytes(b"half an export")
                 raise OSError(28, "No space left on device")
-            saved.append(f)
             save(program, f)
 
         monkeypatch.setattr(aot.torch.export, "save", full_disk)
     target = tiny_target(seed=7, scale=2.0)
     target.weights = quantize_linears(target.model, "int4")
     assert not target.compile() and target.model.compiled is None
+    assert failure == "compiler" or len(saved) == 2  # it failed where meant to
     folder = cache_dir() / "compiled" / package_key(target.model)
     assert folder.is_dir() and not any(folder.iterdir())
     engine = Engine(target, None, EngineConfig(max_batch=1, max_model_len=64, gamma=0))

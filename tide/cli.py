@@ -66,9 +66,7 @@ DRAFT_WEIGHTS_HELP = (
     "the target's weights while it answers the prompts: the draft learns the hidden states of the mode "
     "that will serve it (default auto, as `tide serve`)"
 )
-COMPILE_HELP = (
-    "compile the target's decoder layers ahead of time (quantized weights; once per target, then cached)"
-)
+COMPILE_HELP = "compile the target's decoder layers ahead of time (quantized weights; once per architecture, then cached)"
 
 
 def _weights(name: str) -> str:

@@ -9,7 +9,7 @@ keys before it, or a cache past `_LIMIT` positions) runs the same layers eagerly
 
 The weights are an input, as a draft step's are: packages are kept per architecture (the config,
 each weight's name, dtype and shape) under `cache_dir()/compiled`, so a process holds one copy of
-its weights and every target of an architecture and weight mode shares one compile (minutes the
+its weights and every target of an architecture and weight layout shares one compile (minutes the
 first time, later loads under a second). A tensor every layer has alike is one input for all layers
 (`_restack`): a call pays for each input. Each layer's cache rows are an input of their own, written
 in place: a view into one cache for all layers would be copied whole on every call.

@@ -69,6 +69,8 @@ class Target:
         inductor: those stay eager, as do the layers where compiling fails (no C++ compiler)."""
         if self.weights == "bf16":
             return False
+        if self.compiled:  # once: compiling lays the weights out again (`aot._restack`)
+            return True
         try:
             stack = compile_stack(self.model)
         except Exception as e:  # torch raises its own types from the compiler's toolchain
