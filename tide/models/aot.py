@@ -386,8 +386,8 @@ def _load(path: Path) -> Package:
 
 
 def compile_stack(model: LlamaModel) -> CompiledStack:
-    """Load the model's packages, compiling the missing ones first (raises what the toolchain raises)."""
-
+    """Load the model's packages, compiling the missing ones first (raises what the toolchain raises);
+    the model's layer weights are laid out for them first (`_restack`)."""
     inputs, stacked = _restack(model.stack)
 
     def export(shape: Shape) -> torch.export.ExportedProgram:
